@@ -1,0 +1,236 @@
+"""Recipe configuration: YAML file + dotted command-line overrides -> typed, validated dataclasses.
+
+Top-level GRPO fields carry TRL's ``GRPOConfig`` names (a test checks every one of them exists there);
+``lora:`` carries peft's ``LoraConfig`` names plus ``merge``. Unknown keys and ill-typed values fail
+before any work starts, with a message naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe config or override is invalid; the message names the key and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "Qwen/Qwen3-4B"
+    dtype: str = "bfloat16"  # trainer and vLLM dtype: float32 | bfloat16
+    attn_implementation: str = "sdpa"
+    build_tiny: str | None = None  # "tiny" | "small": build the embedded default into name_or_path if absent
+    build_seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = "openai/gsm8k"  # hub id or local path, or "generated" for the embedded GSM8K-style problems
+    config_name: str | None = "main"
+    split: str = "train"
+    num_generated: int = 4096  # problems made when name == "generated"
+    prompt_template: str = "{question}"
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+    max_prompt_length: int = 256  # tokens; longer prompts are dropped with a counted warning
+
+
+@dataclass
+class LoraSettings:
+    """peft ``LoraConfig`` names, plus ``merge`` (True: vLLM serves merged weights; False: a LoRARequest)."""
+
+    merge: bool = True
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    bias: str = "none"
+    use_rslora: bool = False
+    use_dora: bool = False
+    modules_to_save: list[str] | None = None
+    init_lora_weights: bool = True
+
+
+@dataclass
+class VLLMSettings:
+    kv_cache_gb: float = 2.0  # explicit KV-cache size: vLLM's own sizing fails on small CPU machines
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+    max_lora_rank: int | None = None  # merge=false: defaults to lora.r
+    max_logprob_diff: float = 1.0  # stop when |vLLM - trainer| old log-prob mean exceeds this (a broken sync)
+    verify_sync: bool = False  # hash the trainer's weights around every sync (metric sync_changed_trainer)
+    sync: bool = True  # false only to prove that a skipped sync is detected
+
+
+@dataclass
+class PaddingSettings:
+    legacy_slice: bool = False  # reproduce the seed's bug (current log-probs sliced [:, -R-1:-1]); plots only
+
+
+@dataclass
+class RecipeConfig:
+    # --- TRL GRPOConfig names ---
+    output_dir: str = "results"
+    run_name: str = "grpo"
+    seed: int = 42
+    max_steps: int = 100
+    learning_rate: float = 1e-5
+    lr_scheduler_type: str = "constant"  # constant | linear | cosine
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    per_device_train_batch_size: int = 8  # completions per rank per optimizer step (one mini-batch)
+    steps_per_generation: int = 4  # mini-batches (optimizer steps) per rollout, per iteration
+    num_iterations: int = 1  # passes over each rollout
+    num_generations: int = 8  # completions per prompt (the group)
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    beta: float = 0.0  # KL to the reference (the base, adapter disabled); 0 = no reference forward
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo
+    scale_rewards: str = "group"  # group | batch | none
+    mask_truncated_completions: bool = False
+    save_steps: int = 50
+    reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"])
+    # --- sections ---
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    padding: PaddingSettings = field(default_factory=PaddingSettings)
+
+    @property
+    def prompts_per_rank(self) -> int:
+        return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+
+    def validate(self) -> None:
+        choices = {
+            "model.dtype": (self.model.dtype, ("float32", "bfloat16")),
+            "model.build_tiny": (self.model.build_tiny, (None, "tiny", "small")),
+            "lr_scheduler_type": (self.lr_scheduler_type, ("constant", "linear", "cosine")),
+            "loss_type": (self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo")),
+            "scale_rewards": (self.scale_rewards, ("group", "batch", "none")),
+            "lora.bias": (self.lora.bias, ("none",)),
+        }
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+        positive = ["max_steps", "per_device_train_batch_size", "steps_per_generation", "num_iterations",
+                    "max_completion_length", "save_steps"]
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)!r} must be >= 1")
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations={self.num_generations} must be >= 2 (GRPO normalizes within a group)")
+        rollout = self.per_device_train_batch_size * self.steps_per_generation
+        if rollout % self.num_generations:
+            raise ConfigError(
+                f"per_device_train_batch_size * steps_per_generation = {rollout} completions per rank must be a "
+                f"multiple of num_generations={self.num_generations} (whole groups per rank)"
+            )
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0 (log-probs are of the tempered policy)")
+        if self.lora.r < 1:
+            raise ConfigError(f"lora.r={self.lora.r} must be >= 1")
+        if self.vllm.kv_cache_gb <= 0:
+            raise ConfigError(f"vllm.kv_cache_gb={self.vllm.kv_cache_gb} must be > 0")
+        if not self.reward_funcs:
+            raise ConfigError("reward_funcs is empty; name at least one 'module:function'")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value, tp, key: str):
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats. Returns the value."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r} has the wrong type; expected {tp}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list of {_type_name(item_tp)}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:  # YAML 1.1 reads "1e-5" (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} must be a number") from None
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r} must be of type {_type_name(tp)}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {prefix + key!r}{hint} Allowed keys: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
+    """Load a recipe YAML and apply ``key=value`` / ``section.key=value`` overrides (values parsed as YAML)."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. lora.merge=false)")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    config = _build(RecipeConfig, data)
+    config.validate()
+    return config
+
+
+def config_to_dict(config: RecipeConfig) -> dict:
+    return dataclasses.asdict(config)

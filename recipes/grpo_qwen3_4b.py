@@ -1,0 +1,528 @@
+"""GRPO with LoRA under FSDP2; every rollout comes from a colocated vLLM engine serving *merged* weights.
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_qwen3_4b.py \
+        --config recipes/configs/tiny_cpu.yaml [lora.merge=false learning_rate=2e-5 ...]
+
+One step, top to bottom:
+  1. sync    merge=on : stream merged_lora_params(model) (one decoder layer unsharded at a time) into vLLM
+             merge=off: save the adapter, serve it with a fresh LoRARequest
+  2. rollout vLLM samples num_generations completions per prompt, with the sampled tokens' log-probs
+  3. reward  TRL-style reward functions -> group-normalized advantages
+  4. old     one no-grad packed forward per mini-batch -> old (and reference) log-probs, via `padding`
+  5. update  num_iterations x steps_per_generation mini-batches of the PPO-clip loss (later ones off-policy)
+  6. log     one JSON line per step in results/<run_name>/metrics.jsonl
+
+Parallelism: `accelerate launch` only starts the processes; this script joins them (gloo on CPU, NCCL on
+GPU) and shards with `fully_shard` itself (each decoder layer, then the root), torchtitan-style. On CPU,
+accelerate's own FSDP path starts unsharded processes without an error, so it is not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import importlib
+import json
+import logging
+import math
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in the trainer's process
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+import torch.distributed as dist
+import yaml
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge`, `padding` from the repo root
+from grpo_config import ConfigError, RecipeConfig, config_to_dict, load_config  # noqa: E402
+from merge import decoder_layers, merged_lora_params  # noqa: E402
+from padding import packed_log_probs  # noqa: E402
+
+log = logging.getLogger("grpo")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+
+
+# ----------------------------------------------------------------------------- setup
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the processes `accelerate launch` (or torchrun) started; refuse to run silently unsharded."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if os.environ.get("ACCELERATE_USE_FSDP", "false") == "true" and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(
+            f"the accelerate config asks for FSDP version {os.environ.get('FSDP_VERSION', '1')}; "
+            "this recipe shards with FSDP2 only: set `fsdp_version: 2` in its fsdp_config"
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and world < 2 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
+        raise ConfigError("accelerate started several processes without a distributed world (WORLD_SIZE unset)")
+    cuda = torch.cuda.is_available()
+    if world > 1:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        return dist.get_rank(), world, device
+    return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def load_reward_funcs(names: list[str]):
+    """'module:function' -> callable with TRL's signature ``f(completions, **columns) -> list[float]``."""
+    funcs = []
+    for name in names:
+        module_name, sep, attr = name.partition(":")
+        if not sep:
+            raise ConfigError(f"reward_funcs entry {name!r} must look like 'module:function'")
+        try:
+            funcs.append(getattr(importlib.import_module(module_name), attr))
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"reward_funcs entry {name!r} cannot be imported: {err}") from err
+    return funcs
+
+
+def reward_columns(func) -> list[str]:
+    """Dataset columns a TRL-style reward function asks for by name (beyond prompts/completions)."""
+    import inspect
+
+    skip = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+    params = inspect.signature(func).parameters.values()
+    return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in skip and p.default is p.empty]
+
+
+def load_problems(cfg: RecipeConfig) -> list[dict]:
+    if cfg.data.name == "generated":
+        from tiny_gsm8k import make_problems
+
+        return make_problems(cfg.data.num_generated, seed=cfg.seed)
+    from datasets import load_dataset
+
+    local = Path(cfg.data.name)
+    try:
+        if local.exists():
+            suffix = local.suffix.lstrip(".")
+            if local.is_file() and suffix in ("json", "jsonl", "csv", "parquet"):
+                data = load_dataset("json" if suffix == "jsonl" else suffix, data_files=str(local), split=cfg.data.split)
+            else:
+                data = load_dataset(str(local), cfg.data.config_name, split=cfg.data.split)
+        else:
+            data = load_dataset(cfg.data.name, cfg.data.config_name, split=cfg.data.split)
+    except Exception as err:  # datasets raises many types; name the bad value either way
+        raise ConfigError(f"data.name={cfg.data.name!r} (split {cfg.data.split!r}) cannot be loaded: {err}") from err
+    return [dict(row) for row in data]
+
+
+def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict]) -> list[dict]:
+    """Add `prompt` (text) and `prompt_ids`; drop empty or over-long prompts with a counted warning."""
+    kept, empty, too_long = [], 0, 0
+    for row in problems:
+        text = cfg.data.prompt_template.format(**row)
+        if cfg.data.use_chat_template and tokenizer.chat_template:
+            messages = ([{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else [])
+            messages.append({"role": "user", "content": text})
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(text).input_ids
+        if not text.strip() or not ids:
+            empty += 1
+        elif len(ids) > cfg.data.max_prompt_length:
+            too_long += 1
+        else:
+            kept.append({**row, "prompt": text, "prompt_ids": ids})
+    if empty or too_long:
+        log.warning("dropped %d empty and %d prompts longer than data.max_prompt_length=%d tokens (of %d)",
+                    empty, too_long, cfg.data.max_prompt_length, len(problems))
+    if not kept:
+        raise ConfigError(f"no usable prompt in data.name={cfg.data.name!r} (all empty or too long)")
+    return kept
+
+
+def build_policy(cfg: RecipeConfig, device: torch.device, world: int):
+    dtype = getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+    ).to(device)
+    lora = {k: v for k, v in config_to_dict(cfg)["lora"].items() if k != "merge"}
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora), autocast_adapter_dtype=False)
+    if world > 1:
+        # FSDP2, torchtitan-style: one group per decoder layer (what merged_lora_params unshards), then the root.
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if unsharded:
+            raise RuntimeError(f"{len(unsharded)} parameters are not sharded under FSDP2, e.g. {unsharded[:3]}")
+    return model
+
+
+def build_engine(cfg: RecipeConfig, rank: int, world: int):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=cfg.model.name_or_path,
+        dtype=cfg.model.dtype,
+        seed=cfg.seed + rank,
+        max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length,
+        enforce_eager=cfg.vllm.enforce_eager,
+        max_num_seqs=cfg.vllm.max_num_seqs,
+        kv_cache_memory_bytes=int(cfg.vllm.kv_cache_gb * 2**30),
+        logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution, as the trainer computes
+        enable_prefix_caching=False,
+    )
+    if world > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per rank, in-process
+    if not cfg.lora.merge:
+        wanted = cfg.vllm.max_lora_rank or cfg.lora.r
+        allowed = [r for r in VLLM_LORA_RANKS if r >= wanted]
+        if not allowed or cfg.lora.r > wanted:
+            raise ConfigError(f"lora.r={cfg.lora.r} exceeds vllm.max_lora_rank={wanted} (vLLM allows {VLLM_LORA_RANKS})")
+        kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1)
+    return LLM(**kwargs)
+
+
+def full_adapter_state(model) -> dict[str, torch.Tensor]:
+    """The LoRA tensors, gathered to full size on every rank (a collective under FSDP2)."""
+    state = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            tensor = param.full_tensor() if isinstance(param, DTensor) else param
+            state[name] = tensor.detach().to("cpu", copy=True)
+    return get_peft_model_state_dict(model, state_dict=state)
+
+
+def save_adapter(model, out_dir: Path, rank: int) -> None:
+    """peft `save_pretrained` layout (loadable by peft and as a vLLM LoRA); written atomically by rank 0."""
+    state = full_adapter_state(model)
+    if rank == 0:
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.peft_config["default"].save_pretrained(str(tmp))
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def params_digest(model) -> str:
+    """SHA-1 of this rank's parameter bytes: proves a sync left the trainer's weights bit-for-bit alone."""
+    digest = hashlib.sha1()
+    for _, param in sorted(model.named_parameters()):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by the group (or batch) std unless scale='none'."""
+    grouped = rewards.view(-1, group)
+    centered = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    if scale == "group":
+        return centered / (grouped.std(dim=1).repeat_interleave(group) + 1e-4)
+    if scale == "batch":
+        return centered / (rewards.std() + 1e-4)
+    return centered
+
+
+def make_batch(samples: list[dict], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded responses -> input_ids/attention_mask [N, P+R], response_mask [N, R]."""
+    width_p = max(len(s["prompt_ids"]) for s in samples)
+    width_r = max(1, max(len(s["completion_ids"]) for s in samples))
+    n = len(samples)
+    input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)
+    vllm_logprobs = torch.zeros((n, width_r))
+    for i, s in enumerate(samples):
+        p, r = len(s["prompt_ids"]), len(s["completion_ids"])
+        input_ids[i, width_p - p : width_p] = torch.tensor(s["prompt_ids"])
+        input_ids[i, width_p : width_p + r] = torch.tensor(s["completion_ids"], dtype=torch.long)
+        attention_mask[i, width_p - p : width_p + r] = 1
+        vllm_logprobs[i, :r] = torch.tensor(s["vllm_logprobs"])
+    response_mask = attention_mask[:, width_p:].clone()
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                 vllm_logprobs=vllm_logprobs)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Rows of a batch, with the columns trimmed to the longest prompt and response among them."""
+    sub = {k: v[rows] for k, v in batch.items()}
+    width_r = batch["response_mask"].shape[1]
+    width_p = batch["attention_mask"].shape[1] - width_r
+    prompt_used = sub["attention_mask"][:, :width_p].sum(1).max().item()
+    response_used = max(1, sub["response_mask"].sum(1).max().item())
+    cols = slice(width_p - prompt_used, width_p + response_used)
+    for key in ("input_ids", "attention_mask"):
+        sub[key] = sub[key][:, cols]
+    for key in ("response_mask", "vllm_logprobs", "old_logprobs", "ref_logprobs", "advantages_tok"):
+        if key in sub:
+            sub[key] = sub[key][:, :response_used]
+    return sub
+
+
+def lr_lambda(cfg: RecipeConfig, total_updates: int):
+    def schedule(update: int) -> float:
+        if update < cfg.warmup_steps:
+            return (update + 1) / (cfg.warmup_steps + 1)
+        progress = (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps)
+        if cfg.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return schedule
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="recipe YAML (see recipes/configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. lora.merge=false learning_rate=2e-5")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+
+    rank, world, device = init_distributed()
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S")
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="w"))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        (run_dir / "metrics.jsonl").write_text("")
+    log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
+
+    # The embedded default builds its own small model (rank 0; the others wait for it).
+    if cfg.model.build_tiny:
+        if rank == 0:
+            from tiny_gsm8k import build_tiny_model
+
+            build_tiny_model(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed)
+        if dist.is_initialized():
+            dist.barrier()
+    if not Path(cfg.model.name_or_path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r} is not a local path and HF_HUB_OFFLINE=1")
+
+    torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
+    reward_funcs = load_reward_funcs(cfg.reward_funcs)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    problems = load_problems(cfg)
+    needed = {c for f in reward_funcs for c in reward_columns(f)}
+    missing = sorted(needed - set(problems[0]))
+    if missing:
+        raise ConfigError(f"data.name={cfg.data.name!r} lacks column(s) {missing} that reward_funcs "
+                          f"{cfg.reward_funcs} need; it has {sorted(problems[0])}")
+    problems = tokenize_prompts(cfg, tokenizer, problems)
+    random.Random(cfg.seed).shuffle(problems)
+
+    model = build_policy(cfg, device, world)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    updates_per_step = cfg.steps_per_generation * cfg.num_iterations
+    num_steps = math.ceil(cfg.max_steps / updates_per_step)  # max_steps counts optimizer steps, as in TRL
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_steps * updates_per_step))
+
+    llm = build_engine(cfg, rank, world)
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    engine_dtype = getattr(torch, cfg.model.dtype)
+    adapter_dir = run_dir / "_rollout_adapter"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ppr = cfg.prompts_per_rank
+    eps_low, eps_high = cfg.epsilon, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+
+    for step in range(1, num_steps + 1):
+        t_step = time.perf_counter()
+        # 1. sync ---------------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        digest_before = params_digest(model) if cfg.vllm.verify_sync else None
+        lora_request = None
+        if not cfg.vllm.sync:
+            pass  # debugging only: vLLM keeps serving stale weights, which rollout_logprob_diff must catch
+        elif cfg.lora.merge:
+            llm.collective_rpc("reload_weights", kwargs=dict(
+                weights_iterator=merged_lora_params(model, dtype=engine_dtype), is_checkpoint_format=True))
+            llm.reset_prefix_cache()
+        else:
+            save_adapter(model, adapter_dir, rank)
+            lora_request = LoRARequest(f"policy-step{step}", step, str(adapter_dir))
+        sync_changed = float(digest_before is not None and digest_before != params_digest(model))
+        sync_s = time.perf_counter() - t0
+
+        # 2. rollout ------------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        start = ((step - 1) * world + rank) * ppr
+        rows = [problems[(start + i) % len(problems)] for i in range(ppr)]
+        sampling = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
+                                  top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_completion_length,
+                                  logprobs=0, seed=cfg.seed * 100_003 + step * world + rank)
+        outputs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in rows], sampling,
+                               lora_request=lora_request, use_tqdm=rank == 0)
+        rollout_s = time.perf_counter() - t0
+        samples = []
+        for row, out in zip(rows, outputs):
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                samples.append(dict(row=row, prompt_ids=row["prompt_ids"], completion_ids=ids, text=comp.text,
+                                    truncated=comp.finish_reason == "length",
+                                    vllm_logprobs=[lp[t].logprob for lp, t in zip(comp.logprobs, ids)]))
+        rollout_tokens = sum(len(s["completion_ids"]) for s in samples)
+
+        # 3. reward -------------------------------------------------------------------------------
+        columns = {k: [s["row"][k] for s in samples] for k in samples[0]["row"] if k not in ("prompt_ids",)}
+        rewards = torch.zeros(len(samples))
+        for func in reward_funcs:
+            values = func(completions=[s["text"] for s in samples],
+                          completion_ids=[s["completion_ids"] for s in samples], **{**columns, "prompts": columns["prompt"]})
+            rewards += torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+        advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+
+        # 4. old (and reference) log-probs: own no-grad forward, before any update ---------------
+        t0 = time.perf_counter()
+        batch = make_batch(samples, pad_id, device)
+        if cfg.mask_truncated_completions:
+            truncated = torch.tensor([s["truncated"] for s in samples], device=device)
+            batch["response_mask"] = batch["response_mask"] * (~truncated)[:, None]
+        batch["advantages_tok"] = advantages.to(device)[:, None].expand_as(batch["response_mask"]).contiguous()
+        mb = cfg.per_device_train_batch_size
+        chunks = [slice(i, i + mb) for i in range(0, len(samples), mb)]
+        old, ref = torch.zeros_like(batch["vllm_logprobs"]), torch.zeros_like(batch["vllm_logprobs"])
+        model.eval()
+        with torch.no_grad():
+            for rows_mb in chunks:
+                sub = select(batch, rows_mb)
+                width = sub["response_mask"].shape[1]
+                old[rows_mb, :width] = packed_log_probs(model, sub["input_ids"], sub["attention_mask"],
+                                                        sub["response_mask"], cfg.temperature)
+                if cfg.beta > 0:
+                    with model.disable_adapter():
+                        ref[rows_mb, :width] = packed_log_probs(model, sub["input_ids"], sub["attention_mask"],
+                                                                sub["response_mask"], cfg.temperature)
+        batch["old_logprobs"], batch["ref_logprobs"] = old, ref
+        mask = batch["response_mask"].bool()
+        diff = (batch["vllm_logprobs"] - old).abs()[mask]
+
+        # 5. update -------------------------------------------------------------------------------
+        model.train()
+        tokens_per_mb = max(1.0, mask.sum().item() / len(chunks))
+        stats = dict(ratio_sum=0.0, ratio_min=math.inf, ratio_max=-math.inf, clipped=0.0, tokens=0.0, loss=0.0)
+        bar = tqdm(total=updates_per_step, desc=f"update {step}", disable=rank != 0, leave=False)
+        for _ in range(cfg.num_iterations):
+            for rows_mb in chunks:
+                sub = select(batch, rows_mb)
+                m = sub["response_mask"].float()
+                logp = packed_log_probs(model, sub["input_ids"], sub["attention_mask"], sub["response_mask"],
+                                        cfg.temperature, legacy_slice=cfg.padding.legacy_slice)
+                log_ratio = (logp - sub["old_logprobs"]) * m
+                ratio = torch.exp(log_ratio)
+                adv = sub["advantages_tok"]
+                per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+                if cfg.beta > 0:
+                    delta = sub["ref_logprobs"] - logp
+                    per_token = per_token + cfg.beta * (torch.exp(delta) - delta - 1)
+                if cfg.loss_type == "grpo":
+                    loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+                elif cfg.loss_type == "bnpo":
+                    loss = (per_token * m).sum() / m.sum().clamp(min=1)
+                elif cfg.loss_type == "dr_grpo":
+                    loss = (per_token * m).sum() / (m.shape[0] * cfg.max_completion_length)
+                else:  # dapo: every token of the rollout weighs the same, whichever mini-batch it is in
+                    loss = (per_token * m).sum() / tokens_per_mb
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    real = ratio.detach()[sub["response_mask"].bool()]
+                    clipped = ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
+                    stats["ratio_sum"] += real.sum().item()
+                    stats["ratio_min"] = min(stats["ratio_min"], real.min().item() if real.numel() else math.inf)
+                    stats["ratio_max"] = max(stats["ratio_max"], real.max().item() if real.numel() else -math.inf)
+                    stats["clipped"] += (clipped & sub["response_mask"].bool()).sum().item()
+                    stats["tokens"] += real.numel()
+                    stats["loss"] += loss.item()
+                bar.update(1)
+        bar.close()
+        update_s = time.perf_counter() - t0
+
+        # 6. log ----------------------------------------------------------------------------------
+        sums = all_reduce([rewards.nansum().item(), (rewards.nan_to_num() ** 2).sum().item(), len(samples),
+                           stats["ratio_sum"], stats["clipped"], stats["tokens"], diff.sum().item(), diff.numel(),
+                           rollout_tokens, stats["loss"] / updates_per_step, sync_changed])
+        mins = all_reduce([stats["ratio_min"]], dist.ReduceOp.MIN)
+        maxs = all_reduce([stats["ratio_max"], diff.max().item() if diff.numel() else 0.0, rollout_s, sync_s,
+                           update_s, peak_mem_gb(device)], dist.ReduceOp.MAX)
+        n = sums[2]
+        reward_mean = sums[0] / n
+        metrics = dict(
+            step=step, global_step=step * updates_per_step, merge=cfg.lora.merge,
+            legacy_slice=cfg.padding.legacy_slice, reward_mean=reward_mean,
+            reward_std=math.sqrt(max(0.0, sums[1] / n - reward_mean**2)),
+            ratio_mean=sums[3] / max(1, sums[5]), ratio_min=mins[0], ratio_max=maxs[0],
+            clip_frac=sums[4] / max(1, sums[5]), rollout_logprob_diff_mean=sums[6] / max(1, sums[7]),
+            rollout_logprob_diff_max=maxs[1], rollout_tokens=int(sums[8]), rollout_s=maxs[2],
+            rollout_tokens_per_s=sums[8] / maxs[2], sync_s=maxs[3], update_s=maxs[4],
+            step_s=time.perf_counter() - t_step, peak_mem_gb=maxs[5], loss=sums[9] / world,
+            lr=scheduler.get_last_lr()[0],
+        )
+        if cfg.vllm.verify_sync:
+            metrics["sync_changed_trainer"] = int(sums[10])
+        if rank == 0:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            log.info("step %d/%d reward %.3f ratio %.6f [%.4g, %.4g] |vllm-trainer| %.2e tok/s %.0f sync %.2fs",
+                     step, num_steps, metrics["reward_mean"], metrics["ratio_mean"], metrics["ratio_min"],
+                     metrics["ratio_max"], metrics["rollout_logprob_diff_mean"], metrics["rollout_tokens_per_s"],
+                     metrics["sync_s"])
+        if metrics["rollout_logprob_diff_mean"] > cfg.vllm.max_logprob_diff:
+            raise RuntimeError(
+                f"step {step}: rollout_logprob_diff_mean={metrics['rollout_logprob_diff_mean']:.3g} exceeds "
+                f"vllm.max_logprob_diff={cfg.vllm.max_logprob_diff}: vLLM is not serving the trainer's weights "
+                "(a broken or skipped weight sync); stopping instead of training on stale rollouts"
+            )
+
+    save_adapter(model, run_dir / "adapter", rank)
+    shutil.rmtree(adapter_dir, ignore_errors=True) if rank == 0 else None
+    log.info("done: adapter in %s, metrics in %s", run_dir / "adapter", run_dir / "metrics.jsonl")
+    del llm  # vLLM's shutdown tears down its process groups; it must run before ours is destroyed
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""One rank of the 2-process FSDP2 merge test (run by tests/test_merge.py through torchrun, gloo on CPU).
+
+Each rank: shard a LoRA Qwen3 with fully_shard (each decoder layer, then the root), take an optimizer step,
+then check merged_lora_params against peft's merge_and_unload() on an unsharded copy, check that its local
+shards are bitwise unchanged, and measure the peak extra memory of the iteration against the largest layer.
+"""
+
+import copy
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from merge import decoder_layers, merged_lora_params
+from qwen3_lora import tiny_lora
+
+
+def rss_peak_during(fn):
+    """Run fn() while sampling this process's RSS every ~0.5 ms; return (fn's result, peak RSS - RSS before).
+
+    Meaningful only with MALLOC_MMAP_THRESHOLD_ set low (the test sets it): then every tensor of a layer's
+    size is its own mmap, returned to the system when freed, so RSS follows the live tensors.
+    """
+    proc, peak, stop = psutil.Process(), [0], threading.Event()
+    base = proc.memory_info().rss
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        stop.set()
+        thread.join()
+    return result, max(0, peak[0] - base)
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    model = tiny_lora(layers=4, hidden=512)  # ~10 MB per decoder layer in fp32
+    reference = copy.deepcopy(model)  # same initial weights on every rank
+    layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters are not sharded"
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    local_before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(full[name])
+    expected = reference.merge_and_unload().state_dict()
+    expected.pop("lm_head.weight")  # tied: yielded once, as model.embed_tokens.weight
+
+    def drain():  # memory pass: the consumer drops each tensor at once (a loader copies it into its own buffer)
+        return [name for name, _ in merged_lora_params(model)]
+
+    def unshard_only():  # FSDP2's own cost of unsharding the largest layer: the floor for any layer-wise sync
+        largest.unshard()
+        largest.reshard()
+
+    largest = max(decoder_layers(model), key=lambda layer: sum(p.numel() for p in layer.parameters()))
+    drain()  # warm-up: lazy FSDP state, first-touch pages
+    names, extra = rss_peak_during(drain)
+    _, floor = rss_peak_during(unshard_only)
+    worst = max((t - expected[n]).abs().max().item() for n, t in merged_lora_params(model))
+    assert set(names) == set(expected) and len(names) == len(expected), set(expected) ^ set(names)
+    assert worst <= 1e-6, f"merged weights differ from merge_and_unload by {worst}"
+    lora_b = next(n for n in full if "lora_B" in n)
+    assert full[lora_b].abs().sum() > 0, "the optimizer step should have made lora_B non-zero"
+    changed = [n for n, p in model.named_parameters() if not torch.equal(local_before[n], p.to_local())]
+    assert not changed, f"merged_lora_params modified trainer parameters: {changed[:3]}"
+    print(f"rank {rank}: peak extra memory of merged_lora_params {extra / 2**20:.1f} MiB = "
+          f"{extra / layer_bytes:.2f}x the largest decoder layer ({layer_bytes / 2**20:.1f} MiB); "
+          f"unshard()+reshard() of that layer alone: {floor / 2**20:.1f} MiB = {floor / layer_bytes:.2f}x")
+    # On gloo, FSDP2's all-gather itself needs ~2 layers (output + staging); the merge may add half a layer.
+    assert extra <= floor + 0.5 * layer_bytes, f"merge peak {extra} B > unshard peak {floor} B + 0.5 layer"
+    assert extra <= 2.5 * layer_bytes, f"merge peak {extra} B > 2.5x the largest layer ({layer_bytes} B)"
+
+    # training still works after the merge (every group resharded properly)
+    model(input_ids=ids, labels=ids).loss.backward()
+    print(f"rank {rank}: FSDP2 MERGE OK")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
