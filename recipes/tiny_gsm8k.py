@@ -1,0 +1,204 @@
+"""The embedded default: GSM8K-style problems, an exact-answer reward, and a small Qwen3 the project builds.
+
+No pretrained model can be downloaded on the machines this project is tested on, so the default run trains
+its own: a character-level tokenizer, a ``Qwen3ForCausalLM`` of a few million parameters, and a short
+supervised warm-up on generated problems so that sampling already gets some answers right (GRPO needs
+reward variance within a group). Everything is deterministic from a seed and cached on disk.
+
+    python recipes/tiny_gsm8k.py --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
+
+The problems have ``openai/gsm8k``'s columns (``question``, and ``answer`` = reasoning + ``#### <int>``),
+and ``gsm8k_exact_answer_reward`` has TRL's reward-function signature, so both work with the real dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea", "Max", "Nia"]
+OBJECTS = ["apples", "pens", "cards", "books", "coins", "shells", "stamps", "eggs", "toys", "cups"]
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+# Model sizes: "tiny" is the default run's model (~0.8M parameters), "small" (~25M) is for benchmarks.
+SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64),
+}
+
+
+# ----------------------------------------------------------------------------- data and reward
+def _problem(rng: random.Random) -> dict:
+    name, other = rng.sample(NAMES, 2)
+    obj = rng.choice(OBJECTS)
+    kind = rng.choice(["add", "sub", "mul", "two_step"])
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    if kind == "add":
+        question = f"{name} has {a} {obj} and gets {b} more. How many now?"
+        steps, result = [f"{a}+{b}={a + b}"], a + b
+    elif kind == "sub":
+        a, b = max(a, b) + 3, min(a, b)
+        question = f"{name} has {a} {obj} and gives {b} to {other}. How many left?"
+        steps, result = [f"{a}-{b}={a - b}"], a - b
+    elif kind == "mul":
+        question = f"{name} buys {a} boxes of {b} {obj}. How many {obj}?"
+        steps, result = [f"{a}*{b}={a * b}"], a * b
+    else:
+        c = rng.randint(1, a + b)
+        question = f"{name} has {a} {obj}, finds {b}, gives {c} to {other}. How many now?"
+        steps, result = [f"{a}+{b}={a + b}", f"{a + b}-{c}={a + b - c}"], a + b - c
+    return {"question": question, "answer": "\n".join(steps) + f"\n#### {result}"}
+
+
+def make_problems(n: int, seed: int = 0) -> list[dict]:
+    """``n`` GSM8K-style problems (columns ``question``, ``answer``), deterministic in ``seed``."""
+    rng = random.Random(seed)
+    return [_problem(rng) for _ in range(n)]
+
+
+def format_prompt(question: str) -> str:
+    """The plain-text prompt the tiny model is warmed up on (and prompted with at RL time)."""
+    return f"Q: {question}\nA:"
+
+
+def extract_answer(text: str) -> str | None:
+    """The number after the last ``####`` (GSM8K convention), without commas or spaces; None if absent."""
+    matches = re.findall(r"####\s*(-?[\d,]*\.?\d+)", text)
+    return matches[-1].replace(",", "") if matches else None
+
+
+def gsm8k_exact_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """TRL reward function: 1.0 when the completion's ``####`` number equals the reference answer's, else 0.0.
+
+    ``completions`` are strings, or chat messages (``[{"role": "assistant", "content": ...}]``).
+    """
+    rewards = []
+    for completion, reference in zip(completions, answer):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        got = extract_answer(text)
+        rewards.append(float(got is not None and got == extract_answer(reference)))
+    return rewards
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def build_tokenizer():
+    """A character-level fast tokenizer (every digit is one token), made locally, no download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>")
+
+
+# ----------------------------------------------------------------------------- model
+def _encode_example(tokenizer, row: dict) -> tuple[list[int], int]:
+    prompt = tokenizer(format_prompt(row["question"])).input_ids
+    answer = tokenizer(" " + row["answer"]).input_ids + [tokenizer.eos_token_id]
+    return prompt + answer, len(prompt)
+
+
+@torch.no_grad()
+def measure_accuracy(model, tokenizer, problems: list[dict], greedy: bool, seed: int = 0, max_new_tokens: int = 32):
+    """Exact-answer accuracy of ``model.generate`` on ``problems`` (left-padded batch, HF generate)."""
+    model.eval()
+    tokenizer.padding_side = "left"
+    prompts = [format_prompt(p["question"]) for p in problems]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=1.0, top_k=0,
+                         top_p=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    return sum(gsm8k_exact_answer_reward(texts, [p["answer"] for p in problems])) / len(problems)
+
+
+def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 300,
+                     batch_size: int = 32, learning_rate: float = 3e-3) -> str:
+    """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
+
+    A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B) with the character tokenizer, warmed up with
+    AdamW on the answer tokens of generated problems. Cached: an ``out_dir`` whose ``build_info.json`` has
+    the same arguments is reused. Written atomically (temporary sibling folder, then rename).
+    """
+    from tqdm.auto import tqdm
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not one of {sorted(SIZES)}")
+    out_dir = Path(out_dir)
+    args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate)
+    info_path = out_dir / "build_info.json"
+    if info_path.exists() and json.loads(info_path.read_text()).get("args") == args:
+        return str(out_dir)
+
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, **SIZES[size])
+    model = Qwen3ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=learning_rate, total_steps=max(1, warmup_steps),
+                                                   pct_start=0.1)
+    train = make_problems(warmup_steps * batch_size, seed=seed + 1)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in (bar := tqdm(range(warmup_steps), desc=f"warm-up {size}")):
+        rows = [_encode_example(tokenizer, r) for r in train[step * batch_size:(step + 1) * batch_size]]
+        width = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        for i, (ids, prompt_len) in enumerate(rows):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            labels[i, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])  # loss on the answer only
+        loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
+                     labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+
+    held_out = make_problems(128, seed=seed + 2)
+    info = dict(args=args, parameters=sum(p.numel() for p in model.parameters()), final_loss=loss.item(),
+                greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
+                sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=seed),
+                build_seconds=round(time.perf_counter() - start, 1))
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(tmp)
+    tokenizer.padding_side = "left"
+    tokenizer.save_pretrained(tmp)
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return str(out_dir)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Build (or reuse) the embedded default model.")
+    parser.add_argument("--out", default="cache/tiny-qwen3-gsm8k")
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=300)
+    cli = parser.parse_args()
+    path = build_tiny_model(cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps)
+    print(Path(path, "build_info.json").read_text())
