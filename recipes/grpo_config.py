@@ -105,6 +105,7 @@ class RecipeConfig:
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False
     save_steps: int = 50
+    # GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: f(completions, **columns) -> list[float])
     reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"])
     # --- sections ---
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shutil
@@ -125,7 +126,7 @@ def measure_accuracy(model, tokenizer, problems: list[dict], greedy: bool, seed:
     return sum(gsm8k_exact_answer_reward(texts, [p["answer"] for p in problems])) / len(problems)
 
 
-def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 300,
+def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 500,
                      batch_size: int = 32, learning_rate: float = 3e-3) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
 
@@ -145,6 +146,8 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
         return str(out_dir)
 
     start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # launchers set 1 thread per process; the build runs alone
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     vocab = (len(tokenizer) + 63) // 64 * 64
@@ -190,6 +193,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     (tmp / "build_info.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
+    torch.set_num_threads(threads)
     return str(out_dir)
 
 
@@ -198,7 +202,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="cache/tiny-qwen3-gsm8k")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=300)
+    parser.add_argument("--warmup-steps", type=int, default=500)
     cli = parser.parse_args()
     path = build_tiny_model(cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps)
     print(Path(path, "build_info.json").read_text())

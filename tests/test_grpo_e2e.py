@@ -1,0 +1,75 @@
+"""End to end: a few GRPO steps with 2 processes (FSDP2 on gloo), colocated vLLM, merge on and off.
+
+Each run is `accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_qwen3_4b.py`
+on a quickly warmed-up tiny model; the assertions read the run's own metrics.jsonl.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generation=2", "num_generations=4",
+             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tiny_gsm8k import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", warmup_steps=60)
+
+
+def launch(tmp_path: Path, model: str, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"), str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
+           "--config", str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"model.name_or_path={model}",
+           "model.build_tiny=null", f"output_dir={tmp_path}", "run_name=run", *SMALL_RUN, *overrides]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    metrics_file = tmp_path / "run" / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    return proc, metrics
+
+
+METRIC_NAMES = {"step", "merge", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max", "clip_frac",
+                "rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_tokens", "rollout_s",
+                "rollout_tokens_per_s", "sync_s", "update_s", "step_s", "peak_mem_gb"}
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merge_on", "merge_off"])
+def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge):
+    proc, metrics = launch(tmp_path, tiny_model, f"lora.merge={str(merge).lower()}")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert len(metrics) == 3  # 6 optimizer steps / 2 mini-batches per rollout
+    for m in metrics:
+        assert METRIC_NAMES <= set(m), METRIC_NAMES - set(m)
+        assert m["merge"] is merge
+        assert abs(m["ratio_mean"] - 1) <= 1e-3, m
+        assert m["rollout_logprob_diff_mean"] <= 1e-4, m  # vLLM served exactly the trainer's current weights
+        assert m["sync_changed_trainer"] == 0, m  # the sync left the trainer's weights bit-for-bit alone
+        assert m["rollout_tokens"] > 0 and m["rollout_tokens_per_s"] > 0
+    assert metrics[-1]["ratio_min"] < 1 < metrics[-1]["ratio_max"]  # later mini-batches were genuinely off-policy
+    adapter = tmp_path / "run" / "adapter"
+    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert f"merge: {str(merge).lower()}" in config
+
+
+def test_skipped_sync_is_caught(tmp_path, tiny_model):
+    """With the sync disabled, vLLM keeps serving stale weights: the log-prob check must stop the run."""
+    proc, metrics = launch(tmp_path, tiny_model, "vllm.sync=false", "learning_rate=5e-3", "vllm.max_logprob_diff=1e-3")
+    assert proc.returncode != 0
+    assert "broken or skipped weight sync" in proc.stderr
+    assert metrics[0]["rollout_logprob_diff_mean"] <= 1e-4  # step 1: nothing trained yet, weights still equal
+    assert metrics[-1]["rollout_logprob_diff_mean"] > 1e-3
+
+
+def test_legacy_padding_blows_up_the_ratio(tmp_path, tiny_model):
+    proc, metrics = launch(tmp_path, tiny_model, "padding.legacy_slice=true", "max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert metrics[0]["ratio_max"] > 10 and metrics[0]["ratio_mean"] > 10, metrics[0]
