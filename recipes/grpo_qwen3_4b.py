@@ -23,6 +23,7 @@ import argparse
 import gc
 import hashlib
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -64,8 +65,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
             f"the accelerate config asks for FSDP version {os.environ.get('FSDP_VERSION', '1')}; "
             "this recipe shards with FSDP2 only: set `fsdp_version: 2` in its fsdp_config"
         )
-    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and world < 2 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
-        raise ConfigError("accelerate started several processes without a distributed world (WORLD_SIZE unset)")
     cuda = torch.cuda.is_available()
     if world > 1:
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -103,8 +102,6 @@ def load_reward_funcs(names: list[str]):
 
 def reward_columns(func) -> list[str]:
     """Dataset columns a TRL-style reward function asks for by name (beyond prompts/completions)."""
-    import inspect
-
     skip = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
     params = inspect.signature(func).parameters.values()
     return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in skip and p.default is p.empty]
@@ -402,11 +399,11 @@ def main(argv: list[str] | None = None) -> None:
         rollout_tokens = sum(len(s["completion_ids"]) for s in samples)
 
         # 3. reward -------------------------------------------------------------------------------
-        columns = {k: [s["row"][k] for s in samples] for k in samples[0]["row"] if k not in ("prompt_ids",)}
+        columns = {k: [s["row"][k] for s in samples] for k in rows[0] if k not in ("prompt", "prompt_ids")}
         rewards = torch.zeros(len(samples))
-        for func in reward_funcs:
-            values = func(completions=[s["text"] for s in samples],
-                          completion_ids=[s["completion_ids"] for s in samples], **{**columns, "prompts": columns["prompt"]})
+        for func in reward_funcs:  # TRL's call: prompts, completions, completion_ids, then the dataset's columns
+            values = func(prompts=[s["row"]["prompt"] for s in samples], completions=[s["text"] for s in samples],
+                          completion_ids=[s["completion_ids"] for s in samples], **columns)
             rewards += torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
         advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
 
@@ -516,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
             )
 
     save_adapter(model, run_dir / "adapter", rank)
-    shutil.rmtree(adapter_dir, ignore_errors=True) if rank == 0 else None
+    if rank == 0:
+        shutil.rmtree(adapter_dir, ignore_errors=True)
     log.info("done: adapter in %s, metrics in %s", run_dir / "adapter", run_dir / "metrics.jsonl")
     del llm  # vLLM's shutdown tears down its process groups; it must run before ours is destroyed
     gc.collect()

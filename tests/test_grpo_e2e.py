@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generation=2", "num_generations=4",
-             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true"]
+             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true", "learning_rate=5e-5"]
 
 
 @pytest.fixture(scope="module")
@@ -72,4 +72,4 @@ def test_skipped_sync_is_caught(tmp_path, tiny_model):
 def test_legacy_padding_blows_up_the_ratio(tmp_path, tiny_model):
     proc, metrics = launch(tmp_path, tiny_model, "padding.legacy_slice=true", "max_steps=2")
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert metrics[0]["ratio_max"] > 10 and metrics[0]["ratio_mean"] > 10, metrics[0]
+    assert all(m["ratio_max"] > 10 for m in metrics), metrics  # tokens read at the wrong position
