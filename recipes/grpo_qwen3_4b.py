@@ -133,7 +133,11 @@ def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict]) -> list
     """Add `prompt` (text) and `prompt_ids`; drop empty or over-long prompts with a counted warning."""
     kept, empty, too_long = [], 0, 0
     for row in problems:
-        text = cfg.data.prompt_template.format(**row)
+        try:
+            text = cfg.data.prompt_template.format(**row)
+        except KeyError as err:
+            raise ConfigError(f"data.prompt_template={cfg.data.prompt_template!r} names column {err} that "
+                              f"data.name={cfg.data.name!r} lacks; it has {sorted(row)}") from None
         if cfg.data.use_chat_template and tokenizer.chat_template:
             messages = ([{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else [])
             messages.append({"role": "user", "content": text})

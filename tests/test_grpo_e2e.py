@@ -41,9 +41,10 @@ METRIC_NAMES = {"step", "merge", "reward_mean", "reward_std", "ratio_mean", "rat
                 "rollout_tokens_per_s", "sync_s", "update_s", "step_s", "peak_mem_gb"}
 
 
-@pytest.mark.parametrize("merge", [True, False], ids=["merge_on", "merge_off"])
-def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge):
-    proc, metrics = launch(tmp_path, tiny_model, f"lora.merge={str(merge).lower()}")
+@pytest.mark.parametrize("merge, extra", [(True, []), (False, ["beta=0.04"])],
+                         ids=["merge_on", "merge_off_with_reference_kl"])
+def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
+    proc, metrics = launch(tmp_path, tiny_model, f"lora.merge={str(merge).lower()}", *extra)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert len(metrics) == 3  # 6 optimizer steps / 2 mini-batches per rollout
     for m in metrics:

@@ -1,0 +1,62 @@
+"""Pieces of the GRPO recipe that need no launch: data loading, prompts, batches, advantages."""
+
+import json
+
+import pytest
+import torch
+
+from grpo_config import ConfigError, load_config
+from grpo_qwen3_4b import group_advantages, load_problems, make_batch, reward_columns, select, tokenize_prompts
+from padding import no_padding_2_padding, unpad
+from tiny_gsm8k import build_tokenizer, gsm8k_exact_answer_reward
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 4, "group")
+    assert torch.allclose(adv[:4], (rewards[:4] - 0.25) / (rewards[:4].std() + 1e-4))
+    assert torch.equal(adv[4:], torch.zeros(4))  # a group with equal rewards teaches nothing
+    assert torch.allclose(group_advantages(rewards, 4, "none")[:4], rewards[:4] - 0.25)
+
+
+def test_make_batch_layout_and_select_trims():
+    samples = [dict(prompt_ids=[5, 6, 7], completion_ids=[8, 9], vllm_logprobs=[-0.1, -0.2]),
+               dict(prompt_ids=[5], completion_ids=[8, 9, 10, 11], vllm_logprobs=[-0.3, -0.4, -0.5, -0.6])]
+    batch = make_batch(samples, pad_id=0, device=torch.device("cpu"))
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0], [0, 0, 5, 8, 9, 10, 11]]
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    values = torch.arange(int(batch["attention_mask"].sum()), dtype=torch.float32)
+    # the response token 8 of sample 0 is predicted at packed index 2 (its prompt's last token)
+    assert no_padding_2_padding(values, batch["attention_mask"], batch["response_mask"])[0, 0] == 2
+    first = select(batch, slice(0, 1))
+    assert first["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and first["vllm_logprobs"].shape == (1, 2)
+    assert torch.equal(unpad(first["input_ids"], first["attention_mask"]).input_ids, torch.tensor([5, 6, 7, 8, 9]))
+
+
+def test_local_dataset_and_chat_template(tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}, {"question": "", "answer": "#### 0"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"data.name={path}", "data.system_prompt=Be brief.", "data.max_prompt_length=64"])
+    problems = load_problems(cfg)
+    assert problems == rows
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    kept = tokenize_prompts(cfg, tokenizer, problems)
+    assert len(kept) == 2 and kept[0]["prompt"] == "system: Be brief.\nuser: What is 2+2?\nassistant:"
+    assert tokenizer.decode(kept[0]["prompt_ids"]) == kept[0]["prompt"]
+    short = load_config(None, [f"data.name={path}", "data.max_prompt_length=20", "data.use_chat_template=false"])
+    assert [k["question"] for k in tokenize_prompts(short, tokenizer, problems)] == ["What is 2+2?"]
+
+
+def test_bad_data_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="data.name='/no/such/data'"):
+        load_problems(load_config(None, ["data.name=/no/such/data"]))
+    cfg = load_config(None, ["data.prompt_template='Q: {problem}'"])
+    with pytest.raises(ConfigError, match="names column 'problem'"):
+        tokenize_prompts(cfg, build_tokenizer(), [{"question": "q", "answer": "a"}])
+
+
+def test_reward_columns_follow_trl_signature():
+    assert reward_columns(gsm8k_exact_answer_reward) == ["answer"]
