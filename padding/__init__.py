@@ -129,8 +129,8 @@ def legacy_slice_response(
 
     It right-pads each sample's packed values into a ``[B, P + R]`` row (so every sample starts at
     column 0, whatever its left padding) and slices ``[:, -R-1:-1]``. That is only right for samples
-    whose prompt fills all ``P`` columns and whose response fills all ``R``; otherwise it reads other
-    tokens' log-probs, and the PPO ratio against correctly placed old log-probs explodes.
+    whose prompt fills all ``P`` columns; every left-padded sample reads other tokens' log-probs, and the
+    PPO ratio against correctly placed old log-probs explodes.
     """
     _check_mask(attention_mask)
     batch, total = attention_mask.shape

@@ -1,30 +1,52 @@
-"""padding/: one rule from packed (padding-free) values to the left-prompt / right-response layout."""
+"""padding/: one rule from packed (padding-free) values to the left-prompt / right-response layout.
+
+Layout (see padding/__init__.py): row i of a [B, P + R] batch is a prompt LEFT-padded inside the first P
+columns, then a response RIGHT-padded inside the last R columns. values[k] of a packed forward scores the
+token after packed position k, so response token j of sample i is read at packed index
+start_i + prompt_len_i + j - 1.
+"""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from padding import legacy_slice_response, no_padding_2_padding, packed_log_probs, pad, unpad
-from qwen3_lora import tiny_qwen3
+from padding import (
+    PackedBatch,
+    legacy_slice_response,
+    no_padding_2_padding,
+    packed_log_probs,
+    pad,
+    selective_log_softmax,
+    unpad,
+)
+
+VOCAB = 128
 
 
-def layout(prompt_lens, response_lens, width_p=None, width_r=None, vocab=128, seed=0):
-    """A [B, P+R] batch: prompts left-padded in the first P columns, responses right-padded in the last R."""
-    width_p = width_p or max(prompt_lens)
-    width_r = width_r or max(response_lens)
-    generator = torch.Generator().manual_seed(seed)
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def layout(prompt_lens, response_lens, width_p=None, width_r=None, seed=0, mask_dtype=torch.long):
+    """[B, P+R] ids, attention_mask and [B, R] response_mask: prompts left-padded, responses right-padded."""
+    width_p = max(prompt_lens) if width_p is None else width_p
+    width_r = max(response_lens) if width_r is None else width_r
+    assert width_p >= max(prompt_lens) and width_r >= max(response_lens)
     batch = len(prompt_lens)
     ids = torch.zeros((batch, width_p + width_r), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        mask[i, width_p - p: width_p + r] = 1
-    ids[mask.bool()] = torch.randint(3, vocab, (int(mask.sum()),), generator=generator)
-    return ids, mask, mask[:, width_p:].clone()
+        mask[i, width_p - p : width_p + r] = 1
+    generator = torch.Generator().manual_seed(seed)
+    ids[mask.bool()] = torch.randint(3, VOCAB, (int(mask.sum()),), generator=generator)
+    return ids, mask.to(mask_dtype), mask[:, width_p:].clone().to(mask_dtype)
 
 
-def expected_positions(prompt_lens, response_lens, width_r):
-    """By the formula: response token j of sample i is scored at packed index start_i + prompt_len_i + j - 1."""
+def expected_packed_index(prompt_lens, response_lens, width_r):
+    """By the documented formula, as floats: start_i + prompt_len_i + j - 1 at real response tokens, else 0."""
     out = torch.zeros((len(prompt_lens), width_r))
     start = 0
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
@@ -34,130 +56,453 @@ def expected_positions(prompt_lens, response_lens, width_r):
     return out
 
 
+def naive_no_padding_2_padding(values, attention_mask, response_mask):
+    """Per-sample Python loop that does not use the formula: find the packed slot k of the response token in
+    column P + j of row i, and read values[k - 1] (the output at the token before it)."""
+    batch, total = attention_mask.shape
+    width_r = response_mask.shape[1]
+    width_p = total - width_r
+    out = torch.zeros((batch, width_r, *values.shape[1:]), dtype=values.dtype)
+    k = 0
+    for i in range(batch):
+        slot_of_column = {}
+        for column in range(total):
+            if attention_mask[i, column]:
+                slot_of_column[column] = k
+                k += 1
+        for j in range(width_r):
+            if response_mask[i, j]:
+                slot = slot_of_column[width_p + j]
+                assert slot - 1 >= 0 and (slot - 1) in slot_of_column.values()  # predicted from its own sample
+                out[i, j] = values[slot - 1]
+    assert k == values.shape[0]
+    return out
+
+
+def tiny_qwen3(attn="sdpa", seed=0):
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation=attn,
+        dtype=torch.float32,
+    )
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    assert model.config._attn_implementation == attn
+    return model
+
+
+def per_sequence_reference(model, ids, attention_mask, response_mask, temperature=1.0):
+    """Each sample alone, unpadded: log_softmax(logits[:-1] / t) gathered at tokens[1:], response part."""
+    width_r = response_mask.shape[1]
+    width_p = ids.shape[1] - width_r
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    for i in range(ids.shape[0]):
+        row = attention_mask[i].bool()
+        tokens = ids[i][row]
+        prompt_len = int(row[:width_p].sum())
+        response_len = int(response_mask[i].sum())
+        logits = model(input_ids=tokens[None]).logits[0].float() / temperature
+        log_probs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, tokens[1:, None]).squeeze(-1)
+        out[i, :response_len] = log_probs[prompt_len - 1 : prompt_len - 1 + response_len]
+    return out
+
+
+# ragged: left padding (prompts 1..7), right padding (responses 0..6), a 1-token prompt and an empty response
+MODEL_PROMPTS, MODEL_RESPONSES = [5, 1, 7, 3, 2], [4, 6, 1, 0, 5]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. hand-built layouts
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_unpad_left_padding_only_by_hand():
+    # P = 3, R = 2, every response full length
+    ids = torch.tensor([[0, 11, 12, 13, 14],
+                        [21, 22, 23, 24, 25],
+                        [0, 0, 31, 32, 33]])
+    mask = torch.tensor([[0, 1, 1, 1, 1],
+                         [1, 1, 1, 1, 1],
+                         [0, 0, 1, 1, 1]])
+    response_mask = mask[:, 3:].clone()
+    packed = unpad(ids, mask)
+    assert isinstance(packed, PackedBatch)
+    assert packed.input_ids.tolist() == [11, 12, 13, 14, 21, 22, 23, 24, 25, 31, 32, 33]
+    assert packed.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]
+    assert packed.cu_seqlens.tolist() == [0, 4, 9, 12]
+    assert packed.cu_seqlens.dtype == torch.int32
+    assert packed.indices.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14]
+    values = torch.arange(12, dtype=torch.float32)
+    # sample 0: start 0, prompt 2 -> 1, 2 ; sample 1: start 4, prompt 3 -> 6, 7 ; sample 2: start 9, prompt 1 -> 9, 10
+    assert no_padding_2_padding(values, mask, response_mask).tolist() == [[1, 2], [6, 7], [9, 10]]
+    # the token each slot predicts: its id must be the response token in that cell
+    predicted = torch.roll(packed.input_ids, -1)
+    assert torch.equal(no_padding_2_padding(predicted, mask, response_mask), ids[:, 3:])
+
+
+def test_unpad_right_padding_only_by_hand():
+    # P = 2, R = 3, every prompt full length
+    ids = torch.tensor([[11, 12, 13, 0, 0],
+                        [21, 22, 23, 24, 25],
+                        [31, 32, 33, 34, 0]])
+    mask = torch.tensor([[1, 1, 1, 0, 0],
+                         [1, 1, 1, 1, 1],
+                         [1, 1, 1, 1, 0]])
+    response_mask = mask[:, 2:].clone()
+    packed = unpad(ids, mask)
+    assert packed.input_ids.tolist() == [11, 12, 13, 21, 22, 23, 24, 25, 31, 32, 33, 34]
+    assert packed.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert packed.cu_seqlens.tolist() == [0, 3, 8, 12]
+    assert packed.indices.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    values = torch.arange(12, dtype=torch.float32)
+    # sample 0: start 0 -> 1 ; sample 1: start 3 -> 4, 5, 6 ; sample 2: start 8 -> 9, 10
+    assert no_padding_2_padding(values, mask, response_mask).tolist() == [[1, 0, 0], [4, 5, 6], [9, 10, 0]]
+    # here (full prompts) the seed's legacy rule happens to agree
+    assert torch.equal(legacy_slice_response(values, mask, response_mask), no_padding_2_padding(values, mask, response_mask))
+
+
+def test_unpad_left_and_right_padding_by_hand():
+    # P = 3, R = 3
+    ids = torch.tensor([[0, 0, 11, 12, 13, 0],
+                        [21, 22, 23, 24, 0, 0],
+                        [0, 31, 32, 33, 34, 35],
+                        [0, 0, 41, 0, 0, 0]])  # last sample: prompt only, empty response
+    mask = (ids != 0).long()
+    response_mask = mask[:, 3:].clone()
+    packed = unpad(ids, mask)
+    assert packed.input_ids.tolist() == [11, 12, 13, 21, 22, 23, 24, 31, 32, 33, 34, 35, 41]
+    assert packed.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 0]
+    assert packed.cu_seqlens.tolist() == [0, 3, 7, 12, 13]
+    assert packed.indices.tolist() == [2, 3, 4, 6, 7, 8, 9, 13, 14, 15, 16, 17, 20]
+    values = torch.arange(13, dtype=torch.float32)
+    expected = [[0, 1, 0],      # start 0, prompt 1
+                [5, 0, 0],      # start 3, prompt 3
+                [8, 9, 10],     # start 7, prompt 2
+                [0, 0, 0]]      # no response
+    got = no_padding_2_padding(values, mask, response_mask)
+    assert got.tolist() == expected
+    assert torch.equal(got, expected_packed_index([1, 3, 2, 1], [2, 1, 3, 0], 3))
+    predicted = torch.roll(packed.input_ids, -1)
+    assert torch.equal(no_padding_2_padding(predicted, mask, response_mask), ids[:, 3:])
+    # legacy rule: rows start at column 0, slice [:, -4:-1] = columns 2..4 of the re-padded rows
+    assert legacy_slice_response(values, mask, response_mask).tolist() == [[2, 0, 0], [5, 0, 0], [9, 10, 11], [0, 0, 0]]
+
+
 @pytest.mark.parametrize("prompts, responses", [
     ([3, 1, 2], [4, 4, 4]),  # left padding only
     ([3, 3, 3], [1, 4, 2]),  # right padding only
     ([3, 1, 2], [1, 4, 2]),  # both
 ])
-def test_layouts(prompts, responses):
-    ids, mask, response_mask = layout(prompts, responses)
+@pytest.mark.parametrize("mask_dtype", [torch.long, torch.bool, torch.int32])
+def test_layouts_against_the_formula(prompts, responses, mask_dtype):
+    ids, mask, response_mask = layout(prompts, responses, mask_dtype=mask_dtype)
     packed = unpad(ids, mask)
     assert torch.equal(packed.input_ids, ids[mask.bool()])
-    assert packed.cu_seqlens.tolist() == [0, *torch.tensor(prompts).add(torch.tensor(responses)).cumsum(0).tolist()]
-    positions = torch.cat([torch.arange(p + r) for p, r in zip(prompts, responses)])
-    assert torch.equal(packed.position_ids, positions)
+    lengths = [p + r for p, r in zip(prompts, responses)]
+    assert packed.cu_seqlens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert torch.equal(packed.position_ids, torch.cat([torch.arange(n) for n in lengths]))
     assert torch.equal(packed.indices, torch.nonzero(mask.flatten()).flatten())
     values = torch.arange(len(packed.input_ids), dtype=torch.float32)
     got = no_padding_2_padding(values, mask, response_mask)
-    assert torch.equal(got, expected_positions(prompts, responses, response_mask.shape[1]))
+    assert torch.equal(got, expected_packed_index(prompts, responses, response_mask.shape[1]))
 
 
-def test_verl_case_rows_match_token_positions():
-    prompts, responses = [10, 30, 5, 40], [40, 20, 45, 10]
-    ids, mask, response_mask = layout(prompts, responses, width_p=40, width_r=45)
-    values = torch.arange(int(mask.sum()), dtype=torch.float32)
-    got = no_padding_2_padding(values, mask, response_mask)
-    assert torch.equal(got, expected_positions(prompts, responses, 45))
-    # independent of the formula: values that name the padded column of the token they predict
-    column = torch.arange(85).expand(4, 85)
+# ----------------------------------------------------------------------------------------------------------
+# 2. verl's case
+# ----------------------------------------------------------------------------------------------------------
+
+VERL_PROMPTS, VERL_RESPONSES, VERL_P, VERL_R = [10, 30, 5, 40], [40, 20, 45, 10], 40, 45
+
+
+def test_verl_case_rows_are_the_token_positions():
+    ids, mask, response_mask = layout(VERL_PROMPTS, VERL_RESPONSES, VERL_P, VERL_R)
+    assert ids.shape == (4, 85)
+    total = int(mask.sum())
+    assert total == sum(VERL_PROMPTS) + sum(VERL_RESPONSES) == 200
+    got = no_padding_2_padding(torch.arange(total, dtype=torch.float32), mask, response_mask)
+    starts = [0, 50, 100, 150]
+    for i, (start, p, r) in enumerate(zip(starts, VERL_PROMPTS, VERL_RESPONSES)):
+        want = [float(start + p + j - 1) for j in range(r)] + [0.0] * (VERL_R - r)
+        assert got[i].tolist() == want, f"row {i}"
+    # e.g. sample 1 (prompt 30 left-padded by 10) response token 0 is read at packed 50 + 30 - 1 = 79
+    assert got[1, 0].item() == 79.0 and got[3, 9].item() == 150 + 40 + 9 - 1
+
+
+def test_verl_case_independent_of_the_formula():
+    """values encode the padded (row, column) of the token they predict: unpad the column ids, shift by one."""
+    ids, mask, response_mask = layout(VERL_PROMPTS, VERL_RESPONSES, VERL_P, VERL_R)
+    batch, total = ids.shape
+    cell = torch.arange(batch * total).view(batch, total)  # row * L + column
+    packed_cell = unpad(cell, mask).input_ids
+    predicted_cell = torch.roll(packed_cell, -1).float()  # values[k] is about the token after k
+    got = no_padding_2_padding(predicted_cell, mask, response_mask)
+    response_cells = cell[:, VERL_P:].float()  # response token j of row i lives at (i, P + j)
+    want = torch.where(response_mask.bool(), response_cells, torch.zeros(()))
+    assert torch.equal(got, want)
+    # the same with real token ids: the value read at [i, j] is about token ids[i, P + j]
+    predicted_ids = torch.roll(unpad(ids, mask).input_ids, -1)
+    assert torch.equal(no_padding_2_padding(predicted_ids, mask, response_mask), ids[:, VERL_P:] * response_mask)
+    # and the legacy rule gets three of the four rows wrong (only the full 40-token prompt is right)
+    legacy = legacy_slice_response(predicted_cell, mask, response_mask)
+    assert [torch.equal(legacy[i], want[i]) for i in range(4)] == [False, False, False, True]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. properties
+# ----------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw, max_batch=6, max_prompt=9, max_response=8):
+    """(prompt_lens, response_lens, P, R) with prompt >= 1, response >= 0, and optional extra padding columns."""
+    size = draw(st.integers(1, max_batch))
+    prompts = draw(st.lists(st.integers(1, max_prompt), min_size=size, max_size=size))
+    responses = draw(st.lists(st.integers(0, max_response), min_size=size, max_size=size))
+    width_p = max(prompts) + draw(st.integers(0, 2))
+    width_r = max(responses) + draw(st.integers(0, 2))
+    return prompts, responses, width_p, width_r
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches(), st.sampled_from([torch.long, torch.bool]), st.integers(0, 2**16))
+def test_pad_inverts_unpad(batch, mask_dtype, seed):
+    prompts, responses, width_p, width_r = batch
+    ids, mask, _ = layout(prompts, responses, width_p, width_r, seed=seed, mask_dtype=mask_dtype)
     packed = unpad(ids, mask)
-    predicted_column = torch.roll(column.flatten()[packed.indices], -1).float()
-    got_columns = no_padding_2_padding(predicted_column, mask, response_mask)
-    want = torch.where(response_mask.bool(), torch.arange(40, 85).float().expand(4, 45), torch.tensor(0.0))
-    assert torch.equal(got_columns, want)
+    assert packed.input_ids.shape[0] == sum(prompts) + sum(responses)
+    assert torch.equal(pad(packed.input_ids, packed.indices, *ids.shape), ids * mask.long())
+    # trailing dims: [B, L, 3] values survive the round trip, zero at padding
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn((*ids.shape, 3), generator=generator)
+    packed_features = features.flatten(0, 1)[packed.indices]
+    assert packed_features.shape == (packed.input_ids.shape[0], 3)
+    back = pad(packed_features, packed.indices, *ids.shape)
+    assert torch.equal(back, features * mask.bool()[..., None])
+    # [T, 2, 3] too
+    deeper = torch.randn((packed.input_ids.shape[0], 2, 3), generator=generator)
+    back = pad(deeper, packed.indices, *ids.shape)
+    assert torch.equal(back[mask.bool()], deeper) and not back[~mask.bool()].any()
 
 
-lengths = st.lists(st.tuples(st.integers(1, 7), st.integers(0, 6)), min_size=1, max_size=6)
-
-
-@settings(max_examples=60, deadline=None)
-@given(lengths, st.integers(0, 3))
-def test_round_trip(pairs, trailing):
-    prompts, responses = zip(*pairs)
-    if max(responses) == 0:
-        responses = (1, *responses[1:])
-    ids, mask, _ = layout(prompts, responses)
-    packed = unpad(ids, mask)
-    assert torch.equal(pad(packed.input_ids, packed.indices, *ids.shape), ids * mask)
-    features = torch.randn(len(packed.input_ids), *([3] * trailing))
-    back = pad(features, packed.indices, *ids.shape)
-    assert torch.equal(back[mask.bool()], features) and not back[~mask.bool()].any()
-
-
-@settings(max_examples=60, deadline=None)
-@given(lengths)
-def test_matches_a_per_sample_loop_and_legacy_differs(pairs):
-    prompts, responses = zip(*pairs)
-    if max(responses) == 0:
-        responses = (1, *responses[1:])
-    ids, mask, response_mask = layout(prompts, responses)
-    values = torch.randn(int(mask.sum()))
+@settings(max_examples=80, deadline=None)
+@given(batches(), st.integers(0, 2), st.integers(0, 2**16))
+def test_no_padding_2_padding_matches_a_per_sample_loop(batch, trailing, seed):
+    prompts, responses, width_p, width_r = batch
+    ids, mask, response_mask = layout(prompts, responses, width_p, width_r, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn((int(mask.sum()), *([3] * trailing)), generator=generator)
     got = no_padding_2_padding(values, mask, response_mask)
-    naive = torch.zeros_like(got)
-    start = 0
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        sample = values[start: start + p + r]
-        naive[i, :r] = sample[p - 1: p + r - 1]
-        start += p + r
-    assert torch.equal(got, naive)
+    assert got.shape == (len(prompts), width_r, *([3] * trailing))
+    assert torch.equal(got, naive_no_padding_2_padding(values, mask, response_mask))
+    index = no_padding_2_padding(torch.arange(int(mask.sum()), dtype=torch.float32), mask, response_mask)
+    assert torch.equal(index, expected_packed_index(prompts, responses, width_r))
+    # response_mask may mark only some real response tokens (e.g. nothing after EOS): same rule, fewer cells
+    subset = response_mask * (torch.rand(response_mask.shape, generator=generator) < 0.5)
+    got = no_padding_2_padding(values, mask, subset)
+    assert torch.equal(got, naive_no_padding_2_padding(values, mask, subset))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.integers(0, 8), st.integers(0, 2**16))
+def test_legacy_slice_is_right_when_everything_is_full_length(size, width_p, width_r, seed):
+    ids, mask, response_mask = layout([width_p] * size, [width_r] * size, seed=seed)
+    values = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(legacy_slice_response(values, mask, response_mask), no_padding_2_padding(values, mask, response_mask))
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches(), st.integers(0, 2**16))
+def test_legacy_slice_is_wrong_when_prompt_lengths_differ(batch, seed):
+    prompts, responses, width_p, width_r = batch
+    ids, mask, response_mask = layout(prompts, responses, width_p, width_r, seed=seed)
+    values = torch.arange(1, int(mask.sum()) + 1, dtype=torch.float32)  # distinct and non-zero
+    correct = no_padding_2_padding(values, mask, response_mask)
     legacy = legacy_slice_response(values, mask, response_mask)
-    width_p = mask.shape[1] - response_mask.shape[1]
-    full = all(p == width_p for p in prompts) and len(set(responses)) == 1
-    if full:
-        assert torch.equal(legacy, got)
-    if len(set(prompts)) > 1 and any(r > 0 for p, r in zip(prompts, responses) if p < width_p):
-        assert not torch.equal(legacy, got)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if p == width_p:  # a prompt that fills all P columns is read right, whatever its response length
+            assert torch.equal(legacy[i], correct[i])
+        else:  # a left-padded prompt shifts every response token of its row
+            assert (legacy[i, :r] != correct[i, :r]).all()
+        assert not legacy[i, r:].any() and not correct[i, r:].any()
+    affected = any(p < width_p and r > 0 for p, r in zip(prompts, responses))
+    if len(set(prompts)) > 1 and affected:
+        assert not torch.equal(legacy, correct)
+    if all(p == width_p for p in prompts):
+        assert torch.equal(legacy, correct)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. a real Qwen3 forward
+# ----------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_log_probs_equal_per_sequence_forward(attn, temperature):
-    model = tiny_qwen3()
-    model.config._attn_implementation = attn
-    prompts, responses = [5, 2, 7, 3], [4, 6, 1, 5]
-    ids, mask, response_mask = layout(prompts, responses, seed=1)
-    got = packed_log_probs(model, ids, mask, response_mask, temperature=temperature)
-    width_p = ids.shape[1] - response_mask.shape[1]
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        tokens = ids[i, width_p - p: width_p + r]
-        with torch.no_grad():
-            logits = model(input_ids=tokens[None]).logits[0].float() / temperature
-        want = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None]).squeeze(-1)[p - 1:]
-        assert (got[i, :r] - want).abs().max().item() <= 1e-5
-        assert not got[i, r:].any()
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_packed_log_probs_equal_the_per_sequence_forward(attn, temperature, monkeypatch):
+    model = tiny_qwen3(attn)
+    if attn == "eager":  # make sure the eager kernel is really the one that runs
+        import transformers.models.qwen3.modeling_qwen3 as qwen3
 
+        calls = []
+        original = qwen3.eager_attention_forward
 
-def test_packed_forward_needs_use_cache_false():
-    """The pitfall this module guards against: with a cache, transformers does not isolate packed samples."""
-    model = tiny_qwen3()
-    ids, mask, response_mask = layout([5, 3], [4, 6], seed=2)
-    packed = unpad(ids, mask)
+        def spy(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(qwen3, "eager_attention_forward", spy)
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=1)
     with torch.no_grad():
-        isolated = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False)
-        cached = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=True)
-    second = slice(int(packed.cu_seqlens[1]), None)
-    assert (isolated.logits[0, second] - cached.logits[0, second]).abs().max() > 1e-3
+        got = packed_log_probs(model, ids, mask, response_mask, temperature=temperature)
+        want = per_sequence_reference(model, ids, mask, response_mask, temperature)
+    if attn == "eager":
+        assert calls, "eager attention was not used"
+    assert got.dtype == torch.float32 and got.shape == response_mask.shape
+    assert (got - want).abs().max().item() <= 1e-5
+    assert not got[~response_mask.bool()].any()
+    assert (got[response_mask.bool()] < 0).all()
+    if temperature != 1.0:  # the temperature really divides the logits: t = 1 gives other values
+        with torch.no_grad():
+            plain = packed_log_probs(model, ids, mask, response_mask)
+            plain_ref = per_sequence_reference(model, ids, mask, response_mask, 1.0)
+        assert (plain - plain_ref).abs().max().item() <= 1e-5
+        assert (plain - got)[response_mask.bool()].abs().max().item() > 1e-3
 
 
-def test_gradients_flow():
-    model = tiny_qwen3()
-    ids, mask, response_mask = layout([3, 2], [2, 3])
-    packed_log_probs(model, ids, mask, response_mask).sum().backward()
-    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+def test_packed_log_probs_with_a_response_mask_narrower_than_the_attention_mask():
+    """Real response tokens that are not scored (e.g. after EOS) still sit in the sequence and shift nothing."""
+    model = tiny_qwen3("sdpa")
+    ids, mask, full = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=2)
+    narrow = full.clone()
+    narrow[0, 2:] = 0  # sample 0 scores 2 of its 4 response tokens
+    narrow[4, 1] = 0  # sample 4 skips one in the middle
+    with torch.no_grad():
+        got = packed_log_probs(model, ids, mask, narrow)
+        want = per_sequence_reference(model, ids, mask, full)
+    assert (got - want * narrow).abs().max().item() <= 1e-5
+    assert got[0, :2].ne(0).all() and not got[0, 2:].any() and got[4, 1] == 0 and got[4, 2] != 0
 
 
-def test_errors_name_the_problem():
-    ids, mask, response_mask = layout([3, 2], [2, 3])
-    values = torch.zeros(int(mask.sum()))
+def test_packed_log_probs_temperature_divides_the_logits():
+    """Direct check: log-softmax of logits / t on a fake model whose logits are known."""
+    ids, mask, response_mask = layout([2, 3], [3, 1], seed=3)
+    generator = torch.Generator().manual_seed(0)
+    table = torch.randn(VOCAB, VOCAB, generator=generator) * 3
+
+    class Lookup(torch.nn.Module):  # logits depend only on the current token
+        def forward(self, input_ids, position_ids, use_cache):
+            assert use_cache is False
+            return type("Out", (), {"logits": table[input_ids]})()
+
+    temperature = 0.5
+    got = packed_log_probs(Lookup(), ids, mask, response_mask, temperature=temperature)
+    for i in range(2):
+        for j in range(int(response_mask[i].sum())):
+            previous, token = ids[i, 3 + j - 1], ids[i, 3 + j]
+            want = torch.log_softmax(table[previous] / temperature, -1)[token]
+            assert abs(got[i, j].item() - want.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("cache", ["use_cache=True", "default"])
+def test_pitfall_packed_forward_with_a_cache_mixes_samples(attn, cache):
+    """With a KV cache transformers does not build the per-sample mask from position_ids: samples see each other."""
+    model = tiny_qwen3(attn)
+    assert model.config.use_cache is True  # so omitting use_cache means a cache
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=1)
+    packed = unpad(ids, mask)
+    kwargs = {"use_cache": True} if cache == "use_cache=True" else {}
+    with torch.no_grad():
+        logits = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], **kwargs).logits[0]
+        values = selective_log_softmax(logits, torch.roll(packed.input_ids, -1))
+        cached = no_padding_2_padding(values, mask, response_mask)
+        want = per_sequence_reference(model, ids, mask, response_mask)
+        right = packed_log_probs(model, ids, mask, response_mask)
+    assert (right - want).abs().max().item() <= 1e-5
+    # the first sample has nothing before it to leak from; every later one does
+    assert (cached[0] - want[0]).abs().max().item() <= 1e-5
+    assert (cached[1:] - want[1:]).abs().max().item() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. errors
+# ----------------------------------------------------------------------------------------------------------
+
+
+class NeverCalled(torch.nn.Module):
+    def forward(self, *args, **kwargs):
+        raise AssertionError("the forward ran before the layout was validated")
+
+
+def test_empty_prompt_names_the_sample():
+    ids, mask, response_mask = layout([3, 2, 4, 1], [2, 3, 1, 2])  # P = 4
     empty = mask.clone()
-    empty[1, :3] = 0
-    with pytest.raises(ValueError, match=r"sample\(s\) \[1\] have an empty prompt"):
-        no_padding_2_padding(torch.zeros(int(empty.sum())), empty, response_mask)
+    empty[2, :4] = 0  # sample 2 loses its whole prompt
+    values = torch.zeros(int(empty.sum()))
+    with pytest.raises(ValueError, match=r"sample\(s\) \[2\] have an empty prompt"):
+        no_padding_2_padding(values, empty, response_mask)
+    with pytest.raises(ValueError, match=r"\[2\]"):
+        packed_log_probs(NeverCalled(), ids, empty, response_mask)
+    both = empty.clone()
+    both[0, :4] = 0
+    with pytest.raises(ValueError, match=r"sample\(s\) \[0, 2\] have an empty prompt"):
+        no_padding_2_padding(torch.zeros(int(both.sum())), both, response_mask)
+
+
+def test_response_mask_on_padding_raises():
+    ids, mask, response_mask = layout([3, 2], [2, 3])  # R = 3, sample 0 response has one padding slot
+    values = torch.zeros(int(mask.sum()))
     stray = response_mask.clone()
     stray[0, 2] = 1
     with pytest.raises(ValueError, match=r"marks padding tokens .* sample\(s\) \[0\]"):
         no_padding_2_padding(values, mask, stray)
+    with pytest.raises(ValueError, match=r"sample\(s\) \[0\]"):
+        packed_log_probs(NeverCalled(), ids, mask, stray)
+
+
+def test_mismatched_shapes_raise():
+    ids, mask, response_mask = layout([3, 2], [2, 3])  # [2, 6], R = 3
+    values = torch.zeros(int(mask.sum()))
     with pytest.raises(ValueError, match="differ in shape"):
         unpad(ids[:, 1:], mask)
+    with pytest.raises(ValueError, match=r"must be \[B, L\]"):
+        unpad(ids.flatten(), mask.flatten())
+    with pytest.raises(ValueError, match="rows"):
+        pad(values[1:], unpad(ids, mask).indices, *ids.shape)
     with pytest.raises(ValueError, match="real tokens"):
         no_padding_2_padding(values[1:], mask, response_mask)
+    with pytest.raises(ValueError, match="real tokens"):
+        no_padding_2_padding(torch.zeros(values.shape[0] + 1), mask, response_mask)
+    with pytest.raises(ValueError, match="response_mask must be"):
+        no_padding_2_padding(values, mask, response_mask[:1])  # batch mismatch
+    with pytest.raises(ValueError, match="response_mask must be"):
+        no_padding_2_padding(values, mask, torch.ones(2, 7, dtype=torch.long))  # wider than the batch
+    with pytest.raises(ValueError, match="response_mask must be"):
+        no_padding_2_padding(values, mask, response_mask[0])  # 1-D
+    with pytest.raises(ValueError, match=r"must be \[B, L\]"):
+        no_padding_2_padding(values, mask[0], response_mask)
+    with pytest.raises(ValueError, match="differ in shape"):
+        packed_log_probs(NeverCalled(), ids[:, :-1], mask, response_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. gradients
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_gradients_flow_and_match_the_per_sequence_forward():
+    model = tiny_qwen3("sdpa")
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=4)
+    packed_log_probs(model, ids, mask, response_mask, temperature=0.9).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert all(g is not None for g in grads.values())
+    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]:
+        assert grads[name].abs().sum().item() > 0, name
+    nonzero = sum(bool(g.abs().sum() > 0) for g in grads.values())
+    assert nonzero == len(grads), [n for n, g in grads.items() if not g.abs().sum() > 0]
+    # and they are the gradients of the per-sequence loss
+    model.zero_grad(set_to_none=True)
+    per_sequence_reference(model, ids, mask, response_mask, 0.9).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
