@@ -223,8 +223,12 @@ def save_adapter(model, out_dir: Path, rank: int) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
-        shutil.rmtree(out_dir, ignore_errors=True)
+        old = out_dir.with_name(out_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if out_dir.exists():
+            out_dir.rename(old)  # the previous adapter stays on disk until the new one is in place
         tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
 

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generation=2", "num_generations=4",
@@ -56,7 +58,9 @@ def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
         assert m["rollout_tokens"] > 0 and m["rollout_tokens_per_s"] > 0
     assert metrics[-1]["ratio_min"] < 1 < metrics[-1]["ratio_max"]  # later mini-batches were genuinely off-policy
     adapter = tmp_path / "run" / "adapter"
-    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(adapter))
+    lora_b = [p for n, p in trained.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # peft loads it, and it holds the trained weights
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert f"merge: {str(merge).lower()}" in config
 

@@ -1,0 +1,124 @@
+"""Rollout throughput, side by side in one process: base weights vs merged LoRA vs vLLM LoRA.
+
+    python recipes/bench_rollout.py --sizes tiny small --dtypes float32 bfloat16 --out results/bench_rollout.json
+
+For each model size and dtype, two vLLM engines live in this process: one without LoRA support, which
+serves the base weights and then the merged weights (pushed with `merged_lora_params`, as the recipe does),
+and one with `enable_lora`, which serves the same adapter through a `LoRARequest`. The three modes run in
+interleaved repetitions on the same prompts with the same sampling (`ignore_eos`, so every mode generates the
+same number of tokens); the table reports median tokens/s and the ratios merged/base and merged/LoRA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from merge import merged_lora_params  # noqa: E402
+from tiny_gsm8k import build_tiny_model, format_prompt, make_problems  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: str, out_dir: Path, rank: int, seed: int):
+    """A LoRA with non-zero B (so merged != base), saved for vLLM; returns the peft model."""
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def timed_generate(llm, prompts, sampling, lora_request=None) -> tuple[int, float]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, lora_request=lora_request, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs), seconds
+
+
+def bench(size: str, dtype: str, args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    model_dir = build_tiny_model(Path(args.cache) / f"bench-{size}", size=size, seed=0, warmup_steps=args.warmup_steps)
+    adapter_dir = Path(args.cache) / f"bench-{size}-lora-r{args.rank}"
+    peft_model = make_adapter(model_dir, adapter_dir, args.rank, seed=0)
+    common = dict(model=model_dir, dtype=dtype, seed=0, enforce_eager=True, max_model_len=512,
+                  kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False)
+    plain = LLM(**common)
+    with_lora = LLM(**common, enable_lora=True, max_lora_rank=args.rank, max_loras=1)
+    base_weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).state_dict()
+    base_weights.pop("lm_head.weight", None)  # tied: vLLM takes the embedding
+    lora_request = LoRARequest("bench", 1, str(adapter_dir))
+
+    prompts = [{"prompt_token_ids": plain.get_tokenizer()(format_prompt(p["question"])).input_ids}
+               for p in make_problems(args.prompts, seed=1)]
+    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+
+    def push(weights):
+        plain.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        plain.reset_prefix_cache()
+
+    runs = {"base": [], "merged": [], "lora": []}
+    timed_generate(with_lora, prompts, sampling, lora_request)  # warm-up: first calls compile and allocate
+    timed_generate(plain, prompts, sampling)
+    for _ in range(args.reps):
+        push(iter(base_weights.items()))
+        runs["base"].append(timed_generate(plain, prompts, sampling))
+        push(merged_lora_params(peft_model, dtype=getattr(torch, dtype)))
+        runs["merged"].append(timed_generate(plain, prompts, sampling))
+        runs["lora"].append(timed_generate(with_lora, prompts, sampling, lora_request))
+    del plain, with_lora
+    tokens_per_s = {mode: statistics.median(t / s for t, s in values) for mode, values in runs.items()}
+    return dict(size=size, dtype=dtype, parameters=sum(p.numel() for p in peft_model.get_base_model().parameters()),
+                lora_rank=args.rank, prompts=args.prompts, n=args.n, max_tokens=args.max_tokens, reps=args.reps,
+                tokens_per_s=tokens_per_s, merged_over_base=tokens_per_s["merged"] / tokens_per_s["base"],
+                merged_over_lora=tokens_per_s["merged"] / tokens_per_s["lora"],
+                raw={mode: [[t, s] for t, s in values] for mode, values in runs.items()})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="model warm-up (speed does not depend on it)")
+    parser.add_argument("--kv-cache-gb", type=float, default=0.5)
+    parser.add_argument("--cache", default="cache")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_rollout.json"))
+    args = parser.parse_args()
+
+    results = [bench(size, dtype, args) for size in args.sizes for dtype in args.dtypes]
+    print(f"{'size':>6} {'dtype':>9} {'params':>10} {'base tok/s':>11} {'merged':>9} {'LoRA':>9} "
+          f"{'merged/base':>12} {'merged/LoRA':>12}")
+    for r in results:
+        t = r["tokens_per_s"]
+        print(f"{r['size']:>6} {r['dtype']:>9} {r['parameters']:>10,} {t['base']:>11.0f} {t['merged']:>9.0f} "
+              f"{t['lora']:>9.0f} {r['merged_over_base']:>12.2f} {r['merged_over_lora']:>12.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(command=" ".join(sys.argv), results=results), indent=2))
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
