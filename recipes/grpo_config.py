@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """A recipe config or override is invalid; the message names the key and what is allowed."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+ALIASES = {"resume_from": "resume_from_checkpoint"}  # short names accepted in overrides
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str = "Qwen/Qwen3-4B"
@@ -104,7 +108,9 @@ class RecipeConfig:
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False
-    save_steps: int = 50
+    save_steps: int = 50  # checkpoint when global_step passes a multiple of this (and at the end)
+    save_total_limit: int | None = 2  # keep the newest N checkpoints (None: all)
+    resume_from_checkpoint: str | None = None  # a checkpoint-<N> folder, or "last" (alias: resume_from)
     # GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: f(completions, **columns) -> list[float])
     reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"])
     # --- sections ---
@@ -147,6 +153,19 @@ class RecipeConfig:
             raise ConfigError(f"temperature={self.temperature} must be > 0 (log-probs are of the tempered policy)")
         if self.lora.r < 1:
             raise ConfigError(f"lora.r={self.lora.r} must be >= 1")
+        if self.lora.use_dora:
+            raise ConfigError("lora.use_dora=True is not supported: merge/ (lora.merge=true) and vLLM's LoRA "
+                              "(lora.merge=false) both serve plain LoRA only")
+        if not self.lora.merge:
+            limit = self.vllm.max_lora_rank or self.lora.r
+            if self.lora.r > limit or self.lora.r > VLLM_LORA_RANKS[-1]:
+                raise ConfigError(f"lora.merge=false: lora.r={self.lora.r} exceeds vllm.max_lora_rank={limit} "
+                                  f"(vLLM allows ranks up to {VLLM_LORA_RANKS[-1]}: {list(VLLM_LORA_RANKS)})")
+            if self.lora.modules_to_save:
+                raise ConfigError(f"lora.merge=false: vLLM's LoRA cannot serve lora.modules_to_save="
+                                  f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or null (keep all)")
         if self.vllm.kv_cache_gb <= 0:
             raise ConfigError(f"vllm.kv_cache_gb={self.vllm.kv_cache_gb} must be > 0")
         if not self.reward_funcs:
@@ -227,7 +246,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. lora.merge=false)")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        key = ALIASES.get(key.strip(), key.strip())
+        _set_dotted(data, key, yaml.safe_load(raw))
     config = _build(RecipeConfig, data)
     config.validate()
     return config

@@ -11,6 +11,12 @@ One step, top to bottom:
   4. old     one no-grad packed forward per mini-batch -> old (and reference) log-probs, via `padding`
   5. update  num_iterations x steps_per_generation mini-batches of the PPO-clip loss (later ones off-policy)
   6. log     one JSON line per step in results/<run_name>/metrics.jsonl
+  7. save    checkpoint-<global_step>/ every `save_steps` optimizer steps, at the end, and on SIGINT/SIGTERM
+
+Faults stop the run with a message instead of training on bad numbers: a NaN/inf reward, loss, ratio or
+gradient norm stops the step before the optimizer update (the last checkpoint stays the last good one), and
+a broken weight sync is caught by the |vLLM - trainer| log-prob check. `resume_from_checkpoint=<dir>|last`
+continues at the next step with the same results as an uninterrupted run.
 
 Parallelism: `accelerate launch` only starts the processes; this script joins them (gloo on CPU, NCCL on
 GPU) and shards with `fully_shard` itself (each decoder layer, then the root), torchtitan-style. On CPU,
@@ -31,6 +37,7 @@ import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,19 +48,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.distributed as dist
 import yaml
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge`, `padding` from the repo root
-from grpo_config import ConfigError, RecipeConfig, config_to_dict, load_config  # noqa: E402
+from checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_adapter, save_checkpoint  # noqa: E402
+from grpo_config import VLLM_LORA_RANKS, ConfigError, RecipeConfig, config_to_dict, load_config  # noqa: E402
 from merge import decoder_layers, merged_lora_params  # noqa: E402
 from padding import packed_log_probs  # noqa: E402
 
 log = logging.getLogger("grpo")
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
 
 # ----------------------------------------------------------------------------- setup
@@ -164,6 +171,8 @@ def build_policy(cfg: RecipeConfig, device: torch.device, world: int):
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
     ).to(device)
+    if not cfg.lora.merge:
+        check_vllm_lora_targets(model, cfg.lora.target_modules)
     lora = {k: v for k, v in config_to_dict(cfg)["lora"].items() if k != "merge"}
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora), autocast_adapter_dtype=False)
     if world > 1:
@@ -176,6 +185,17 @@ def build_policy(cfg: RecipeConfig, device: torch.device, world: int):
         if unsharded:
             raise RuntimeError(f"{len(unsharded)} parameters are not sharded under FSDP2, e.g. {unsharded[:3]}")
     return model
+
+
+def check_vllm_lora_targets(model: torch.nn.Module, target_modules: list[str]) -> None:
+    """lora.merge=false: vLLM serves LoRA on the decoder layers' linear projections only."""
+    servable = {name.rsplit(".", 1)[-1] for layer in decoder_layers(model)
+                for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)}
+    unservable = sorted(set(target_modules) - servable)
+    if unservable:
+        raise ConfigError(f"lora.merge=false: vLLM cannot serve LoRA on lora.target_modules {unservable}; it serves "
+                          f"the decoder layers' linear projections {sorted(servable)}. Drop them, or use "
+                          "lora.merge=true (merged weights serve any target)")
 
 
 def build_engine(cfg: RecipeConfig, rank: int, world: int):
@@ -194,43 +214,45 @@ def build_engine(cfg: RecipeConfig, rank: int, world: int):
     )
     if world > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per rank, in-process
-    if not cfg.lora.merge:
+    if not cfg.lora.merge:  # the rank was checked against vLLM's limits with the config
         wanted = cfg.vllm.max_lora_rank or cfg.lora.r
-        allowed = [r for r in VLLM_LORA_RANKS if r >= wanted]
-        if not allowed or cfg.lora.r > wanted:
-            raise ConfigError(f"lora.r={cfg.lora.r} exceeds vllm.max_lora_rank={wanted} (vLLM allows {VLLM_LORA_RANKS})")
-        kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1)
+        kwargs.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= wanted), max_loras=1)
     return LLM(**kwargs)
 
 
-def full_adapter_state(model) -> dict[str, torch.Tensor]:
-    """The LoRA tensors, gathered to full size on every rank (a collective under FSDP2)."""
-    state = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            tensor = param.full_tensor() if isinstance(param, DTensor) else param
-            state[name] = tensor.detach().to("cpu", copy=True)
-    return get_peft_model_state_dict(model, state_dict=state)
+class NonFiniteError(RuntimeError):
+    """A NaN or inf in a training quantity; the step was stopped before it could change the weights."""
 
 
-def save_adapter(model, out_dir: Path, rank: int) -> None:
-    """peft `save_pretrained` layout (loadable by peft and as a vLLM LoRA); written atomically by rank 0."""
-    state = full_adapter_state(model)
-    if rank == 0:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.peft_config["default"].save_pretrained(str(tmp))
-        from safetensors.torch import save_file
+def stop_if_nonfinite(where: str, quantities: dict[str, torch.Tensor], last_checkpoint: Path | None) -> None:
+    """Collective: every rank raises if any rank found a NaN/inf in one of ``quantities``."""
+    local = [v.full_tensor() if isinstance(v, DTensor) else v for v in quantities.values()]
+    bad = all_reduce([float(not bool(torch.isfinite(v.detach()).all())) for v in local], dist.ReduceOp.MAX)
+    names = [name for name, flag in zip(quantities, bad) if flag]
+    if names:
+        resume = (f"the last good checkpoint is {last_checkpoint}: resume with resume_from_checkpoint={last_checkpoint} "
+                  "(e.g. with a lower learning_rate)" if last_checkpoint else "no checkpoint was written yet")
+        raise NonFiniteError(f"{where}: non-finite {', '.join(names)} (NaN or inf); stopped before the optimizer "
+                             f"update, no checkpoint written after it; {resume}")
 
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
-        old = out_dir.with_name(out_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if out_dir.exists():
-            out_dir.rename(old)  # the previous adapter stays on disk until the new one is in place
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+
+class StopRequest:
+    """SIGINT/SIGTERM only set a flag: the loop checks it between phases, saves a checkpoint and exits."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        if not self.signum:
+            log.warning("%s received: stopping at the next step boundary, after a checkpoint",
+                        signal.Signals(signum).name)
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (a collective, so that all ranks stop at the same point), or 0."""
+        return int(all_reduce([float(self.signum)], dist.ReduceOp.MAX)[0])
 
 
 def params_digest(model) -> str:
@@ -319,13 +341,21 @@ def main(argv: list[str] | None = None) -> None:
 
     rank, world, device = init_distributed()
     run_dir = Path(cfg.output_dir) / cfg.run_name
+    resume = resolve_checkpoint(cfg.resume_from_checkpoint, run_dir) if cfg.resume_from_checkpoint else None
+    if resume is None and list_checkpoints(run_dir):
+        raise ConfigError(f"{run_dir} already holds {list_checkpoints(run_dir)[-1].name} from an earlier run: continue "
+                          "it with resume_from_checkpoint=last, or choose another run_name or output_dir")
+    resumed_step = json.loads((resume / "trainer_state.json").read_text())["step"] if resume else 0
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="w"))
+        logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="a" if resume else "w"))
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        (run_dir / "metrics.jsonl").write_text("")
+        metrics_file = run_dir / "metrics.jsonl"
+        earlier = metrics_file.read_text().splitlines() if resume and metrics_file.exists() else []
+        # a resumed run keeps the steps up to its checkpoint and redoes the rest
+        metrics_file.write_text("".join(line + "\n" for line in earlier if json.loads(line)["step"] <= resumed_step))
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
 
     # The embedded default builds its own small model (rank 0; the others wait for it).
@@ -336,8 +366,11 @@ def main(argv: list[str] | None = None) -> None:
             build_tiny_model(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed)
         if dist.is_initialized():
             dist.barrier()
-    if not Path(cfg.model.name_or_path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r} is not a local path and HF_HUB_OFFLINE=1")
+    name = cfg.model.name_or_path
+    if not Path(name).exists() and (os.environ.get("HF_HUB_OFFLINE") == "1" or name.startswith(("/", ".", "~"))
+                                    or name.count("/") != 1):  # hub ids look like org/name
+        raise ConfigError(f"model.name_or_path={name!r} does not exist locally"
+                          + (" and HF_HUB_OFFLINE=1" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""))
 
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
@@ -358,6 +391,20 @@ def main(argv: list[str] | None = None) -> None:
     updates_per_step = cfg.steps_per_generation * cfg.num_iterations
     num_steps = math.ceil(cfg.max_steps / updates_per_step)  # max_steps counts optimizer steps, as in TRL
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_steps * updates_per_step))
+    last_checkpoint = None
+    if resume:
+        load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
+        last_checkpoint = resume
+        log.info("resumed from %s: continuing at step %d of %d", resume, resumed_step + 1, num_steps)
+
+    def checkpoint(step: int) -> Path:
+        """Save the state after ``step`` rollouts (collective); a no-op if that checkpoint was just written."""
+        if last_checkpoint is not None and last_checkpoint.name == f"checkpoint-{step * updates_per_step}":
+            return last_checkpoint
+        state = dict(step=step, global_step=step * updates_per_step, data_position=step * world * ppr,
+                     world_size=world, seed=cfg.seed)
+        return save_checkpoint(run_dir, model, optimizer, scheduler, state, config_to_dict(cfg), rank,
+                               cfg.save_total_limit)
 
     llm = build_engine(cfg, rank, world)
     from vllm import SamplingParams
@@ -369,7 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     ppr = cfg.prompts_per_rank
     eps_low, eps_high = cfg.epsilon, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
 
-    for step in range(1, num_steps + 1):
+    stop = StopRequest()  # after vLLM is built, so that these handlers are the ones in force
+    signum, step = 0, resumed_step
+    for step in range(resumed_step + 1, num_steps + 1):
         t_step = time.perf_counter()
         # 1. sync ---------------------------------------------------------------------------------
         t0 = time.perf_counter()
@@ -405,14 +454,22 @@ def main(argv: list[str] | None = None) -> None:
                                     truncated=comp.finish_reason == "length",
                                     vllm_logprobs=[lp[t].logprob for lp, t in zip(comp.logprobs, ids)]))
         rollout_tokens = sum(len(s["completion_ids"]) for s in samples)
+        signum = stop.agreed()
+        if signum:  # abandon this step: nothing was updated yet, so the state is the one after step - 1
+            step -= 1
+            last_checkpoint = checkpoint(step)
+            break
 
         # 3. reward -------------------------------------------------------------------------------
         columns = {k: [s["row"][k] for s in samples] for k in rows[0] if k not in ("prompt", "prompt_ids")}
-        rewards = torch.zeros(len(samples))
-        for func in reward_funcs:  # TRL's call: prompts, completions, completion_ids, then the dataset's columns
+        table, returned = [], {}
+        for name, func in zip(cfg.reward_funcs, reward_funcs):  # TRL's call: prompts, completions, ids, columns
             values = func(prompts=[s["row"]["prompt"] for s in samples], completions=[s["text"] for s in samples],
                           completion_ids=[s["completion_ids"] for s in samples], **columns)
-            rewards += torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+            table.append([math.nan if v is None else v for v in values])
+            returned[f"reward from {name}"] = torch.tensor([v for v in values if v is not None], dtype=torch.float64)
+        stop_if_nonfinite(f"step {step}, rewards", returned, last_checkpoint)
+        rewards = torch.tensor(table, dtype=torch.float32).nansum(dim=0)  # None means "not applicable", as in TRL
         advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
 
         # 4. old (and reference) log-probs: own no-grad forward, before any update ---------------
@@ -445,8 +502,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_mb = max(1.0, mask.sum().item() / len(chunks))
         stats = dict(ratio_sum=0.0, ratio_min=math.inf, ratio_max=-math.inf, clipped=0.0, tokens=0.0, loss=0.0)
         bar = tqdm(total=updates_per_step, desc=f"update {step}", disable=rank != 0, leave=False)
-        for _ in range(cfg.num_iterations):
-            for rows_mb in chunks:
+        for iteration in range(cfg.num_iterations):
+            for k, rows_mb in enumerate(chunks):
                 sub = select(batch, rows_mb)
                 m = sub["response_mask"].float()
                 logp = packed_log_probs(model, sub["input_ids"], sub["attention_mask"], sub["response_mask"],
@@ -467,7 +524,11 @@ def main(argv: list[str] | None = None) -> None:
                 else:  # dapo: every token of the rollout weighs the same, whichever mini-batch it is in
                     loss = (per_token * m).sum() / tokens_per_mb
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                           cfg.max_grad_norm)
+                stop_if_nonfinite(f"step {step}, iteration {iteration + 1}, mini-batch {k + 1}",
+                                  dict(loss=loss, ratio=ratio[sub["response_mask"].bool()], grad_norm=grad_norm),
+                                  last_checkpoint)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -520,14 +581,29 @@ def main(argv: list[str] | None = None) -> None:
                 "(a broken or skipped weight sync); stopping instead of training on stale rollouts"
             )
 
-    save_adapter(model, run_dir / "adapter", rank)
+        # 7. save ---------------------------------------------------------------------------------
+        signum = stop.agreed()
+        crossed = step * updates_per_step // cfg.save_steps > (step - 1) * updates_per_step // cfg.save_steps
+        if crossed or signum or step == num_steps:
+            last_checkpoint = checkpoint(step)
+        if signum:
+            break
+
     if rank == 0:
         shutil.rmtree(adapter_dir, ignore_errors=True)
-    log.info("done: adapter in %s, metrics in %s", run_dir / "adapter", run_dir / "metrics.jsonl")
+    if signum:
+        log.error("stopped by %s after step %d of %d; checkpoint: %s. To continue, run the same command with "
+                  "resume_from_checkpoint=%s", signal.Signals(signum).name, step, num_steps, last_checkpoint,
+                  last_checkpoint)
+    else:
+        save_adapter(model, run_dir / "adapter", rank)
+        log.info("done: adapter in %s, metrics in %s", run_dir / "adapter", run_dir / "metrics.jsonl")
     del llm  # vLLM's shutdown tears down its process groups; it must run before ours is destroyed
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if signum:
+        sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

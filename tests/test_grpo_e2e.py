@@ -4,39 +4,11 @@ Each run is `accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.
 on a quickly warmed-up tiny model; the assertions read the run's own metrics.jsonl.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generation=2", "num_generations=4",
-             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true", "learning_rate=5e-5"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from tiny_gsm8k import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", warmup_steps=60)
-
-
-def launch(tmp_path: Path, model: str, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"), str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
-           "--config", str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"model.name_or_path={model}",
-           "model.build_tiny=null", f"output_dir={tmp_path}", "run_name=run", *SMALL_RUN, *overrides]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    metrics_file = tmp_path / "run" / "metrics.jsonl"
-    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    return proc, metrics
-
+from recipe_runs import launch
 
 METRIC_NAMES = {"step", "merge", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max", "clip_frac",
                 "rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_tokens", "rollout_s",

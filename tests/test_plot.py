@@ -5,13 +5,15 @@ import json
 import matplotlib.image
 import pytest
 
-from plot_metrics import plot
+from plot_metrics import plot, summary
 
 
 def write_run(folder, merge, legacy, ratio):
     folder.mkdir()
-    rows = [dict(step=s, merge=merge, legacy_slice=legacy, ratio_mean=ratio * s, rollout_logprob_diff_mean=3e-7,
-                 rollout_tokens_per_s=2500.0 if merge else 500.0, reward_mean=0.5 + 0.01 * s) for s in range(1, 6)]
+    rows = [dict(step=s, merge=merge, legacy_slice=legacy, ratio_mean=ratio * s, ratio_max=2 * ratio * s,
+                 rollout_logprob_diff_mean=3e-7, rollout_tokens_per_s=2500.0 if merge else 500.0,
+                 reward_mean=0.5 + 0.01 * s, step_s=float(s if merge else 2 * s), sync_s=0.1, rollout_s=1.0,
+                 update_s=2.0) for s in range(1, 6)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
@@ -28,3 +30,10 @@ def test_plot_renders_a_nontrivial_png(tmp_path):
 def test_missing_metrics_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         plot([tmp_path / "nothing-here"], tmp_path / "x.png")
+
+
+def test_summary_medians_leave_out_the_warm_up_step(tmp_path):
+    on, off = summary([write_run(tmp_path / "on", True, False, 1.0), write_run(tmp_path / "off", False, False, 1.0)])
+    assert on["label"] == "merged weights" and off["label"] == "vLLM LoRA"
+    assert on["median_step_s"] == 3.5 and off["median_step_s"] == 7.0  # steps 2..5
+    assert on["max_abs_ratio_mean_minus_1"] == 4.0 and on["ratio_max"] == 10.0

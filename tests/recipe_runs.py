@@ -1,0 +1,35 @@
+"""Launching the GRPO recipe as a user does (`accelerate launch`, 2 processes, FSDP2 on gloo) on a small run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generation=2", "num_generations=4",
+             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true", "learning_rate=5e-5"]
+
+
+def launch_command(output_dir: Path, model: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"), str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
+            "--config", str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"model.name_or_path={model}",
+            "model.build_tiny=null", f"output_dir={output_dir}", "run_name=run", *SMALL_RUN, *overrides]
+
+
+def launch_env() -> dict[str, str]:
+    """Offline, and with tests/ importable (for the reward functions in tests/faulty_rewards.py)."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    metrics_file = output_dir / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+
+
+def launch(output_dir: Path, model: str, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    proc = subprocess.run(launch_command(output_dir, model, *overrides), cwd=ROOT, env=launch_env(),
+                          capture_output=True, text=True, timeout=900)
+    return proc, read_metrics(output_dir)

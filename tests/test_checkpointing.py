@@ -1,0 +1,155 @@
+"""Checkpoints: atomic writes (a failed save loses nothing), exact restore, rotation, refusals before any work."""
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+
+import checkpointing
+from checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
+from grpo_config import ConfigError, load_config
+from grpo_qwen3_4b import check_vllm_lora_targets, init_distributed, main
+from qwen3_lora import tiny_lora, tiny_qwen3
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {"learning_rate": 1e-3, "lora": {"r": 8}, "max_steps": 10}
+
+
+def trained(seed: int = 0):
+    """A LoRA model, its AdamW and scheduler after one update (non-trivial optimizer state)."""
+    model = tiny_lora(seed=seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0 / (update + 1))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return model, optimizer, scheduler
+
+
+def lora_params(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def save(run_dir, model, optimizer, scheduler, step, limit=None):
+    state = dict(step=step, global_step=4 * step)
+    return save_checkpoint(run_dir, model, optimizer, scheduler, state, CONFIG, rank=0, save_total_limit=limit)
+
+
+def test_restores_adapter_optimizer_scheduler_and_rng(tmp_path):
+    model, optimizer, scheduler = trained()
+    torch.manual_seed(123)
+    path = save(tmp_path, model, optimizer, scheduler, step=1)
+    expected_draw = torch.rand(3)
+    assert path.name == "checkpoint-4"
+    fresh, fresh_optimizer, fresh_scheduler = trained(seed=1)  # other weights, other optimizer state
+    state = load_checkpoint(path, fresh, fresh_optimizer, fresh_scheduler, CONFIG, rank=0)
+    assert state["step"] == 1 and state["global_step"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(lora_params(model), lora_params(fresh)))
+    for param, fresh_param in zip(optimizer.param_groups[0]["params"], fresh_optimizer.param_groups[0]["params"]):
+        for key, value in optimizer.state[param].items():
+            assert torch.equal(value, fresh_optimizer.state[fresh_param][key]), key
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
+    # the checkpoint's adapter is a peft adapter
+    loaded = PeftModel.from_pretrained(tiny_qwen3(), str(path))
+    assert torch.equal(dict(loaded.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"],
+                       dict(model.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"])
+
+
+@pytest.mark.parametrize("fail_in", ["save_file", "save"])
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail_in):
+    model, optimizer, scheduler = trained()
+    good = save(tmp_path, model, optimizer, scheduler, step=1)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    model2, optimizer2, scheduler2 = trained(seed=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = checkpointing if fail_in == "save_file" else checkpointing.torch
+    monkeypatch.setattr(target, fail_in, disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save(tmp_path, model2, optimizer2, scheduler2, step=2, limit=1)  # limit=1: rotation would delete `good`
+    with pytest.raises(OSError, match="No space left"):
+        save(tmp_path, model2, optimizer2, scheduler2, step=1)  # overwriting the same step fails too
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]  # no half-written folder
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    fresh, fresh_optimizer, fresh_scheduler = trained(seed=2)
+    load_checkpoint(good, fresh, fresh_optimizer, fresh_scheduler, CONFIG, rank=0)
+    assert all(torch.equal(a, b) for a, b in zip(lora_params(model), lora_params(fresh)))
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    model, optimizer, scheduler = trained()
+    for step in (1, 2, 3, 10):
+        save(tmp_path, model, optimizer, scheduler, step=step, limit=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-12", "checkpoint-40"]
+    assert resolve_checkpoint("last", tmp_path).name == "checkpoint-40"
+
+
+def test_resume_refuses_another_config_and_incomplete_checkpoints(tmp_path):
+    model, optimizer, scheduler = trained()
+    path = save(tmp_path, model, optimizer, scheduler, step=1)
+    changed = {**CONFIG, "learning_rate": 5e-3, "max_steps": 20, "lora": {"r": 16}}
+    with pytest.raises(ValueError, match=r"learning_rate: 0.001 -> 0.005; lora.r: 8 -> 16"):
+        load_checkpoint(path, *trained(seed=1), changed, rank=0)
+    load_checkpoint(path, *trained(seed=1), {**CONFIG, "max_steps": 20}, rank=0)  # a longer run may resume
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"not a complete checkpoint \(missing \['optimizer.pt'\]\)"):
+        resolve_checkpoint(str(path), tmp_path)
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint-<N>"):
+        resolve_checkpoint("last", tmp_path / "empty")
+
+
+def run_main(tmp_path, *overrides):
+    main(["--config", str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"output_dir={tmp_path}", "run_name=run",
+          "model.build_tiny=null", *overrides])
+
+
+def test_a_new_run_never_overwrites_checkpoints(tmp_path):
+    (tmp_path / "run" / "checkpoint-8").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already holds checkpoint-8 from an earlier run: continue it with "
+                                          "resume_from_checkpoint=last"):
+        run_main(tmp_path)
+    with pytest.raises(FileNotFoundError, match="resume_from_checkpoint='/no/such/checkpoint'"):
+        run_main(tmp_path, "resume_from=/no/such/checkpoint")
+
+
+def test_missing_model_path_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ConfigError, match="model.name_or_path='/no/such/model' does not exist locally"):
+        run_main(tmp_path, "model.name_or_path=/no/such/model")
+
+
+def test_fsdp_version_1_accelerate_config_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="asks for FSDP version 1; this recipe shards with FSDP2 only"):
+        init_distributed()
+
+
+def test_vllm_lora_targets_are_checked():
+    check_vllm_lora_targets(tiny_qwen3(), ["q_proj", "down_proj"])
+    with pytest.raises(ConfigError, match=r"cannot serve LoRA on lora.target_modules \['lm_head'\]"):
+        check_vllm_lora_targets(tiny_qwen3(), ["q_proj", "lm_head"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lora.use_dora=true"], "lora.use_dora=True is not supported"),
+    (["lora.merge=false", "lora.r=64", "vllm.max_lora_rank=32"], "lora.r=64 exceeds vllm.max_lora_rank=32"),
+    (["lora.merge=false", "lora.r=1024"], "vLLM allows ranks up to 512"),
+    (["lora.merge=false", "lora.modules_to_save=[lm_head]"], "vLLM's LoRA cannot serve lora.modules_to_save"),
+    (["save_total_limit=0"], "save_total_limit=0 must be >= 1 or null"),
+])
+def test_adapters_vllm_or_merge_cannot_serve_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_resume_from_alias():
+    assert load_config(None, ["resume_from=last"]).resume_from_checkpoint == "last"

@@ -1,0 +1,80 @@
+"""Faults during a run, end to end (2 processes, FSDP2, vLLM): interruption, resume, NaN/inf, lost checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from recipe_runs import ROOT, launch, launch_command, launch_env, read_metrics
+
+# everything a step computes that does not depend on the clock
+DETERMINISTIC = ["step", "global_step", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max",
+                 "clip_frac", "rollout_logprob_diff_mean", "rollout_tokens", "loss", "lr"]
+
+
+def checkpoint_step(checkpoint) -> int:
+    return json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+
+
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model):
+    reference, metrics = launch(tmp_path / "uninterrupted", tiny_model, "max_steps=12")
+    assert reference.returncode == 0, reference.stderr[-5000:]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+
+    # Interrupt a longer run as a terminal or a cluster scheduler would: SIGTERM to every process of the job.
+    out, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
+    with open(log, "w") as sink:  # a file, not a pipe: a full pipe would block the run
+        proc = subprocess.Popen(launch_command(out, tiny_model, "max_steps=40"), cwd=ROOT, env=launch_env(),
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 600
+        while not read_metrics(out) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+    stderr = log.read_text()
+    assert proc.returncode != 0
+    checkpoints = sorted((out / "run").glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and not list((out / "run").glob("*.tmp")), checkpoints
+    stopped_at = checkpoint_step(checkpoints[0])
+    assert 1 <= stopped_at < 6, stopped_at
+    assert f"resume_from_checkpoint={checkpoints[0]}" in stderr
+    assert not (out / "run" / "adapter").exists()  # the final adapter is written only by a finished run
+    saved = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(checkpoints[0]))
+    assert any("lora_B" in n for n, _ in saved.named_parameters())  # peft loads the checkpoint's adapter
+
+    # Resume in place (short alias, newest checkpoint): the steps after the checkpoint equal the uninterrupted run's.
+    resumed, metrics_after = launch(out, tiny_model, "max_steps=12", "resume_from=last")
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert f"continuing at step {stopped_at + 1} of 6" in resumed.stderr
+    assert [m["step"] for m in metrics_after] == [1, 2, 3, 4, 5, 6]  # earlier lines kept, later ones redone once
+    for got, want in zip(metrics_after, metrics):
+        assert {k: got[k] for k in DETERMINISTIC} == pytest.approx({k: want[k] for k in DETERMINISTIC}, rel=1e-9)
+
+
+def test_nan_reward_on_one_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path, tiny_model):
+    proc, metrics = launch(tmp_path, tiny_model, "save_steps=2", "reward_funcs=[faulty_rewards:nan_on_rank0_second_call]")
+    assert proc.returncode != 0
+    assert "step 2, rewards: non-finite reward from faulty_rewards:nan_on_rank0_second_call" in proc.stderr
+    last_good = tmp_path / "run" / "checkpoint-2"
+    assert f"the last good checkpoint is {last_good}" in proc.stderr
+    assert [m["step"] for m in metrics] == [1]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    assert checkpoint_step(last_good) == 1
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(last_good))
+
+
+def test_nonfinite_loss_stops_before_the_update(tmp_path, tiny_model):
+    """A learning rate of 1e30 makes the weights huge; the first NaN/inf stops the step before optimizer.step()."""
+    proc, metrics = launch(tmp_path, tiny_model, "learning_rate=1e30", "save_steps=2")
+    assert proc.returncode != 0
+    assert "non-finite loss" in proc.stderr and "stopped before the optimizer update" in proc.stderr
+    failed_step = len(metrics) + 1
+    assert f"step {failed_step}, iteration 1, mini-batch" in proc.stderr
+    checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"), key=checkpoint_step)
+    assert checkpoints and checkpoint_step(checkpoints[-1]) == failed_step - 1
+    assert f"the last good checkpoint is {checkpoints[-1]}" in proc.stderr
