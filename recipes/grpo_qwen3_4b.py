@@ -350,7 +350,10 @@ def main(argv: list[str] | None = None) -> None:
                         format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="a" if resume else "w"))
+        if not resume:
+            (run_dir / "train.log").write_text("")
+        # mode "a": importing vLLM closes existing handlers (logging.config.dictConfig); "a" reopens, "w" would not
+        logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="a"))
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         metrics_file = run_dir / "metrics.jsonl"
         earlier = metrics_file.read_text().splitlines() if resume and metrics_file.exists() else []
@@ -375,13 +378,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     reward_funcs = load_reward_funcs(cfg.reward_funcs)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     problems = load_problems(cfg)
     needed = {c for f in reward_funcs for c in reward_columns(f)}
     missing = sorted(needed - set(problems[0]))
     if missing:
         raise ConfigError(f"data.name={cfg.data.name!r} lacks column(s) {missing} that reward_funcs "
                           f"{cfg.reward_funcs} need; it has {sorted(problems[0])}")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     problems = tokenize_prompts(cfg, tokenizer, problems)
     random.Random(cfg.seed).shuffle(problems)
 

@@ -6,41 +6,15 @@ shards are bitwise unchanged, and measure the peak extra memory of the iteration
 """
 
 import copy
-import threading
-import time
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from bench_sync import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
 from merge import decoder_layers, merged_lora_params
 from qwen3_lora import tiny_lora
-
-
-def rss_peak_during(fn):
-    """Run fn() while sampling this process's RSS every ~0.5 ms; return (fn's result, peak RSS - RSS before).
-
-    Meaningful only with MALLOC_MMAP_THRESHOLD_ set low (the test sets it): then every tensor of a layer's
-    size is its own mmap, returned to the system when freed, so RSS follows the live tensors.
-    """
-    proc, peak, stop = psutil.Process(), [0], threading.Event()
-    base = proc.memory_info().rss
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
-        result = fn()
-    finally:
-        stop.set()
-        thread.join()
-    return result, max(0, peak[0] - base)
 
 
 def main():

@@ -153,3 +153,11 @@ def test_adapters_vllm_or_merge_cannot_serve_are_refused(overrides, message):
 
 def test_resume_from_alias():
     assert load_config(None, ["resume_from=last"]).resume_from_checkpoint == "last"
+
+
+def test_dataset_without_the_reward_columns_is_refused(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "What is 2+2?", "solution": "4"}\n')
+    with pytest.raises(ConfigError, match=r"lacks column\(s\) \['answer'\] that reward_funcs .* it has \['question', "
+                                          r"'solution'\]"):
+        run_main(tmp_path, f"model.name_or_path={tmp_path}", f"data.name={data}")

@@ -33,6 +33,7 @@ def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(adapter))
     lora_b = [p for n, p in trained.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # peft loads it, and it holds the trained weights
+    assert "step 3/3 reward" in (tmp_path / "run" / "train.log").read_text()  # the log outlives vLLM's logging setup
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert f"merge: {str(merge).lower()}" in config
 

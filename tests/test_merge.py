@@ -115,7 +115,7 @@ def test_unsupported_adapters_raise_clearly():
 def test_fsdp2_two_processes():
     """torchrun --nproc_per_node 2 on gloo: see tests/fsdp2_merge_worker.py for what each rank asserts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+           "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "recipes"))}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
          str(ROOT / "tests" / "fsdp2_merge_worker.py")],

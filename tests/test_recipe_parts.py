@@ -60,3 +60,15 @@ def test_bad_data_is_named(tmp_path):
 
 def test_reward_columns_follow_trl_signature():
     assert reward_columns(gsm8k_exact_answer_reward) == ["answer"]
+
+
+def test_empty_and_overlong_prompts_are_dropped_with_a_count(tmp_path, caplog):
+    rows = [{"question": "What is 2+2?", "answer": "#### 4"}, {"question": "", "answer": "#### 0"},
+            {"question": "x" * 100, "answer": "#### 1"}]
+    cfg = load_config(None, ["data.use_chat_template=false", "data.max_prompt_length=50"])  # template "{question}"
+    with caplog.at_level("WARNING"):
+        kept = tokenize_prompts(cfg, build_tokenizer(), rows)
+    assert [k["question"] for k in kept] == ["What is 2+2?"]
+    assert "dropped 1 empty and 1 prompts longer than data.max_prompt_length=50 tokens (of 3)" in caplog.text
+    with pytest.raises(ConfigError, match="no usable prompt"):
+        tokenize_prompts(cfg, build_tokenizer(), rows[1:])

