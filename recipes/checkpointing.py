@@ -106,6 +106,7 @@ def _on_rank0(rank: int, action) -> None:
             error = err
     failed = torch.tensor([float(error is not None)])
     if dist.is_initialized():
+        failed = failed.cuda() if dist.get_backend() == "nccl" else failed  # NCCL reduces GPU tensors only
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if error is not None:
         raise error
