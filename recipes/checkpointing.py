@@ -114,6 +114,10 @@ def _on_rank0(rank: int, action) -> None:
         raise RuntimeError("rank 0 failed to write a checkpoint (its log says why)")
 
 
+def checkpoint_path(run_dir: Path, global_step: int) -> Path:
+    return run_dir / f"{CHECKPOINT_PREFIX}{global_step}"
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints in ``run_dir``, oldest first (``.tmp`` leftovers of a failed save are not listed)."""
     found = [p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
@@ -131,7 +135,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, trainer_state: d
     rngs = [None] * dist.get_world_size() if dist.is_initialized() else [rng]
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
-    final = run_dir / f"{CHECKPOINT_PREFIX}{trainer_state['global_step']}"
+    final = checkpoint_path(run_dir, trainer_state["global_step"])
 
     def write(tmp: Path) -> None:
         write_adapter(model, adapter, tmp)

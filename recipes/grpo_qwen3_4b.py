@@ -55,7 +55,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge`, `padding` from the repo root
-from checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_adapter, save_checkpoint  # noqa: E402
+from checkpointing import (checkpoint_path, list_checkpoints, load_checkpoint, resolve_checkpoint,  # noqa: E402
+                           save_adapter, save_checkpoint)
 from grpo_config import VLLM_LORA_RANKS, ConfigError, RecipeConfig, config_to_dict, load_config  # noqa: E402
 from merge import decoder_layers, merged_lora_params  # noqa: E402
 from padding import packed_log_probs  # noqa: E402
@@ -342,8 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = init_distributed()
     run_dir = Path(cfg.output_dir) / cfg.run_name
     resume = resolve_checkpoint(cfg.resume_from_checkpoint, run_dir) if cfg.resume_from_checkpoint else None
-    if resume is None and list_checkpoints(run_dir):
-        raise ConfigError(f"{run_dir} already holds {list_checkpoints(run_dir)[-1].name} from an earlier run: continue "
+    earlier_checkpoints = list_checkpoints(run_dir)
+    if resume is None and earlier_checkpoints:
+        raise ConfigError(f"{run_dir} already holds {earlier_checkpoints[-1].name} from an earlier run: continue "
                           "it with resume_from_checkpoint=last, or choose another run_name or output_dir")
     resumed_step = json.loads((resume / "trainer_state.json").read_text())["step"] if resume else 0
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def checkpoint(step: int) -> Path:
         """Save the state after ``step`` rollouts (collective); a no-op if that checkpoint was just written."""
-        if last_checkpoint is not None and last_checkpoint.name == f"checkpoint-{step * updates_per_step}":
+        if last_checkpoint == checkpoint_path(run_dir, step * updates_per_step):
             return last_checkpoint
         state = dict(step=step, global_step=step * updates_per_step, data_position=step * world * ppr,
                      world_size=world, seed=cfg.seed)
