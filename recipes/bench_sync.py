@@ -7,11 +7,12 @@ phase with glibc's default malloc, as the recipe runs, and a memory phase with `
 (every tensor of 64 KiB or more is its own mmap, returned to the system when freed, so RSS follows the live
 tensors; it also makes every large allocation page-fault, which slows syncs ~2x, hence two launches). In
 each, every rank builds the same LoRA Qwen3 (``recipes/tiny_gsm8k.py``, non-zero lora_B), shards it with
-``fully_shard`` per decoder layer then the root, and builds an in-process vLLM engine as the recipe's
-``build_engine`` does. Every method ends in the recipe's push,
-``llm.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``:
+``fully_shard`` per decoder layer then the root (the recipe's ``parallel.apply_fsdp``), and builds the recipe's
+``RolloutEngine`` (in-process vLLM, one per rank). Every method ends in the engine's push,
+``RolloutEngine.push_weights`` (``collective_rpc("reload_weights", ...)``); ours is the recipe's sync itself:
 
-  merged_lora_params  ours: each decoder layer unshard() -> W + scaling*(B@A) out of place -> reshard()
+  merged_lora_params  ours, ``RolloutEngine.sync_merged``: each decoder layer unshard() -> W + scaling*(B@A) out of
+                      place -> reshard()
   plain_push          the floor: the same layer-by-layer unshard()/copy/reshard() walk, base weights
                       unmerged (what any layer-wise sync of an FSDP2 model costs; differs from ours only
                       in the merge arithmetic)
@@ -44,25 +45,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in the trainer's process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from peft.tuners.lora import LoraLayer  # noqa: E402
+import torch
+import torch.distributed as dist
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge` from the repo root
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import decoder_layers, merged_lora_params, normalize_peft_param_name  # noqa: E402
+from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
+from merge import decoder_layers, merged_lora_params, normalize_peft_param_name
+from rollout_engine import RolloutEngine
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict"]
 MIB = 2**20
 
@@ -144,101 +141,22 @@ def iterator(method: str, model: PeftModel, dtype: torch.dtype):
     raise ValueError(method)
 
 
-# ----------------------------------------------------------------------------- drift (one process)
-@torch.no_grad()
-def merge_unmerge_drift(model: PeftModel, cycles=(1, 10, 100), lora_b_step: float = 0.0, seed: int = 0) -> dict:
-    """Drift of the trainer's base weights: peft merge_adapter()/unmerge_adapter() cycles vs merged_lora_params.
+def sync(engine: RolloutEngine, method: str, model: PeftModel) -> None:
+    """Push ``model`` into ``engine`` the way ``method`` does; ours is the recipe's own `RolloutEngine.sync_merged`."""
+    if method == "merged_lora_params":
+        SYNC_OF_THE_RECIPE(engine, model)
+    else:
+        engine.push_weights(iterator(method, model, engine.dtype))
 
-    ``model``: an unsharded peft LoRA model (the arithmetic is the same as on FSDP2 shards). Returns, for each
-    method and each number of cycles (cumulative), the max and mean |W_after - W_before| over the base weights
-    of the LoRA-targeted layers and the number of elements that changed. With ``lora_b_step`` > 0, every
-    lora_B gets ``+ lora_b_step * N(0, 1)`` before each cycle (the adapter changes between syncs, as in
-    training), the same draws for both methods. Weights and adapter are restored afterwards.
-    """
-    adapter = model.active_adapter
-    weights = {name: m.get_base_layer().weight for name, m in model.named_modules()
-               if isinstance(m, LoraLayer) and adapter in m.lora_A}
-    original = {name: w.detach().clone() for name, w in weights.items()}
-    lora_b = [m.lora_B[adapter].weight for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_B]
-    lora_b_original = [b.detach().clone() for b in lora_b]
-    total = sum(w.numel() for w in original.values())
 
-    def compare() -> dict:
-        diffs = [(w.float() - original[n].float()).abs() for n, w in weights.items()]
-        return dict(max_abs=max(d.max().item() for d in diffs), mean_abs=sum(d.sum().item() for d in diffs) / total,
-                    changed=sum(int((weights[n] != original[n]).sum()) for n in weights), elements=total)
-
-    def peft_cycle():
-        model.merge_adapter()
-        model.unmerge_adapter()
-
-    def ours_pass():
-        for _ in merged_lora_params(model):
-            pass
-
-    out = {}
-    for method, one in (("merged_lora_params", ours_pass), ("peft_merge_unmerge", peft_cycle)):
-        done, out[method] = 0, {}
-        generator = torch.Generator().manual_seed(seed)
-        for target in sorted(cycles):
-            while done < target:
-                if lora_b_step:
-                    for b in lora_b:
-                        b.add_((torch.randn(b.shape, generator=generator) * lora_b_step).to(b.dtype))
-                one()
-                done += 1
-            out[method][str(target)] = compare()
-        for name, w in weights.items():
-            w.copy_(original[name])
-        for b, b0 in zip(lora_b, lora_b_original):
-            b.copy_(b0)
-    return dict(dtype=str(next(iter(original.values())).dtype).removeprefix("torch."), lora_b_step=lora_b_step, **out)
+SYNC_OF_THE_RECIPE = RolloutEngine.sync_merged
 
 
 # ----------------------------------------------------------------------------- measurement helpers
-def rss_peak_during(fn):
-    """Run fn() while a thread samples this process's RSS every ~0.5 ms; (result, peak RSS - RSS before).
-
-    As tests/fsdp2_merge_worker.py; meaningful with MALLOC_MMAP_THRESHOLD_ set low (the memory phase sets it).
-    """
-    proc, peak, stop = psutil.Process(), [0], threading.Event()
-    base = proc.memory_info().rss
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
-        result = fn()
-    finally:
-        stop.set()
-        thread.join()
-    return result, max(0, peak[0] - base)
-
-
 def reduce_max(value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.item()
-
-
-def build_lora(model_dir: str, rank: int, dtype: torch.dtype, seed: int = 0) -> PeftModel:
-    """The same LoRA model on every process: peft init under a fixed seed, lora_B ~ N(0, 0.01^2)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype),
-                           LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, target_modules=TARGETS),
-                           autocast_adapter_dtype=False)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
-    return model
 
 
 def local_shards(model) -> dict[str, torch.Tensor]:
@@ -248,10 +166,7 @@ def local_shards(model) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- one rank
 def worker(args) -> None:
     """One rank of one phase: "time" (correctness checks, timing, the literal TRL call) or "memory"."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-    from vllm import LLM
-
+    from parallel import apply_fsdp
     from tiny_gsm8k import build_tiny_model
 
     dist.init_process_group("gloo")
@@ -269,32 +184,26 @@ def worker(args) -> None:
         build_tiny_model(model_dir, size=args.size, seed=0, warmup_steps=0)
     dist.barrier()
 
-    model = build_lora(model_dir, args.rank, dtype)
+    from transformers import AutoModelForCausalLM
+
+    model = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), rank=args.rank)
     layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
     parameters = sum(p.numel() for p in model.get_base_model().parameters())
-    for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
-    assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters are not sharded"
+    apply_fsdp(model, param_dtype=dtype)
 
-    # As recipes/grpo_qwen3_4b.py:build_engine (merge=true): in-process engine per rank, external_launcher.
-    llm = LLM(model=model_dir, dtype="float32", seed=rank, max_model_len=256, enforce_eager=True, max_num_seqs=256,
-              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), logprobs_mode="processed_logprobs",
-              enable_prefix_caching=False, distributed_executor_backend="external_launcher")
+    # The recipe's engine (merge=true): in-process per rank, external_launcher.
+    engine = RolloutEngine(model_dir, dtype="float32", seed=rank, max_model_len=256, kv_cache_gb=args.kv_cache_gb,
+                           distributed=True)
     say(f"model {parameters:,} parameters, largest decoder layer {layer_bytes / MIB:.1f} MiB; engine ready")
-
-    def push(weights) -> None:
-        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
-        llm.reset_prefix_cache()
 
     def drain(method) -> None:  # a consumer that drops each tensor at once (a loader copies it into its own buffer)
         for _ in iterator(method, model, dtype):
             pass
 
-    consumers = {"vllm_push": lambda method: push(iterator(method, model, dtype)), "drain": drain}
+    consumers = {"vllm_push": lambda method: sync(engine, method, model), "drain": drain}
     part = dict(parameters=parameters, layer_bytes=layer_bytes, world=world)
     if args.phase == "time":
-        part.update(check_and_time(args, model, llm, push, consumers, dtype, say))
+        part.update(check_and_time(args, model, engine, consumers, dtype, say))
     else:
         for method in METHODS:  # warm-up: lazy allocations, first-touch pages
             for consume in consumers.values():
@@ -320,13 +229,13 @@ def worker(args) -> None:
     part["wall_s"] = round(time.perf_counter() - start, 1)
     if rank == 0:
         Path(args.part_out).write_text(json.dumps(part))
-    del llm, push, consumers  # vLLM's shutdown tears down its process groups (ours too)
+    del engine, consumers  # vLLM's shutdown tears down its process groups (ours too)
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def check_and_time(args, model, llm, push, consumers, dtype, say) -> dict:
+def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) -> dict:
     """The timing phase: correctness checks, interleaved timed syncs, then the literal TRL call."""
     from vllm import SamplingParams
 
@@ -350,17 +259,16 @@ def check_and_time(args, model, llm, push, consumers, dtype, say) -> dict:
     assert worst["plain_push"] > 0, "the adapter should change the weights (lora_B is non-zero)"
     del collected
 
-    prompts = [{"prompt_token_ids": llm.get_tokenizer()(format_prompt(p["question"])).input_ids}
-               for p in make_problems(4, seed=1)]
+    prompts = [engine.tokenizer(format_prompt(p["question"])).input_ids for p in make_problems(4, seed=1)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)
 
     def generate():
-        outs = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        return [list(o.token_ids) for o in outs], [lp[t].logprob for o in outs for lp, t in zip(o.logprobs, o.token_ids)]
+        samples = engine.generate(prompts, greedy)
+        return [s.completion_ids for s in samples], [lp for s in samples for lp in s.logprobs]
 
     generations = {}
     for method in METHODS:
-        push(iterator(method, model, dtype))
+        sync(engine, method, model)
         generations[method] = generate()
     ref_tokens, ref_logprobs = generations["merged_lora_params"]
     vllm_check = {}
@@ -385,10 +293,10 @@ def check_and_time(args, model, llm, push, consumers, dtype, say) -> dict:
 
     # 3. the literal TRL call (model.load_weights per pair), once, last: it may leave the engine broken
     try:
-        runner = llm.llm_engine.model_executor.driver_worker.model_runner
+        runner = engine.llm.llm_engine.model_executor.driver_worker.model_runner
         for name, param in trl_params(model):
             runner.model.load_weights([(name, param)])
-        push(merged_lora_params(model, dtype=dtype))
+        engine.sync_merged(model)
         literal = dict(ok=True, same_greedy_tokens_as_merged_lora_params=generate()[0] == ref_tokens,
                        note="per-pair load_weights ran; checked after a reload_weights push of ours")
     except Exception as err:  # noqa: BLE001 - recorded, not fatal
@@ -491,8 +399,6 @@ def main() -> None:
     # timing with glibc's default malloc; memory with MALLOC_MMAP_THRESHOLD_=65536 (glibc reads it at start:
     # every tensor of 64 KiB or more is its own mmap, returned when freed, so RSS follows the live tensors; it
     # makes every large allocation a page-faulting mmap, which slows the syncs ~2x, hence the separate launch).
-    from bench_rollout import machine_info
-
     start = time.perf_counter()
     machine = machine_info()
     parts = {}
@@ -512,8 +418,10 @@ def main() -> None:
     from tiny_gsm8k import build_tiny_model
 
     torch.set_num_threads(1)
-    bf16 = build_lora(build_tiny_model(Path(args.cache) / f"bench-{args.size}", size=args.size, seed=0,
-                                       warmup_steps=0), args.rank, torch.bfloat16)
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(Path(args.cache) / f"bench-{args.size}", size=args.size, seed=0, warmup_steps=0)
+    bf16 = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), rank=args.rank)
     drift = dict(fixed_adapter=merge_unmerge_drift(bf16, cycles=args.drift_cycles),
                  adapter_updated_between_cycles=merge_unmerge_drift(bf16, args.drift_cycles, args.drift_lora_b_step))
     out = report(args, parts["time"], parts["memory"], drift, machine, round(time.perf_counter() - start, 1))

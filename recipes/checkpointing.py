@@ -5,7 +5,7 @@
         optimizer.pt        the optimizer's full (unsharded) state, keyed by parameter name
         scheduler.pt        the LR scheduler's state
         rng_state.pth       Python and torch RNG states, one entry per rank
-        trainer_state.json  step, global_step, data position, world size
+        trainer_state.json  rollout_step, global_step (optimizer steps), data position, world size
         config.yaml         the run's resolved config (a resume must not quietly change it)
 
 Every file is written by rank 0 into ``checkpoint-<N>.tmp`` and the folder is renamed into place only when

@@ -22,11 +22,14 @@ class ConfigError(ValueError):
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+# vllm.max_logprob_diff when unset, per model.dtype: far above the mean |vLLM - trainer| log-prob of a working
+# sync (measured: results/README.md), far below that of a skipped one at a useful learning rate
+MAX_LOGPROB_DIFF = {"float32": 1e-3, "bfloat16": 5e-2}
 ALIASES = {"resume_from": "resume_from_checkpoint"}  # short names accepted in overrides
 
 
 @dataclass
-class ModelConfig:
+class ModelSettings:
     name_or_path: str = "Qwen/Qwen3-4B"
     dtype: str = "bfloat16"  # trainer and vLLM dtype: float32 | bfloat16
     attn_implementation: str = "sdpa"
@@ -35,7 +38,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataSettings:
     name: str = "openai/gsm8k"  # hub id or local path, or "generated" for the embedded GSM8K-style problems
     config_name: str | None = "main"
     split: str = "train"
@@ -66,11 +69,16 @@ class LoraSettings:
 
 @dataclass
 class VLLMSettings:
-    kv_cache_gb: float = 2.0  # explicit KV-cache size: vLLM's own sizing fails on small CPU machines
+    """The colocated vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
+
+    kv_cache_gb: float = 2.0  # explicit KV-cache size (vLLM's own sizing fails on small CPU machines)
+    gpu_memory_utilization: float = 0.3  # GPU only: vLLM needs this share of the GPU free at start (TRL's default)
+    enable_sleep_mode: bool = False  # GPU only: release weights and KV cache while the trainer updates (as TRL)
     enforce_eager: bool = True
     max_num_seqs: int = 256
     max_lora_rank: int | None = None  # merge=false: defaults to lora.r
-    max_logprob_diff: float = 1.0  # stop when |vLLM - trainer| old log-prob mean exceeds this (a broken sync)
+    # stop when the mean |vLLM - trainer| old log-prob exceeds this (a broken sync); null: the model.dtype's default
+    max_logprob_diff: float | None = None
     verify_sync: bool = False  # hash the trainer's weights around every sync (metric sync_changed_trainer)
     sync: bool = True  # false only to prove that a skipped sync is detected
 
@@ -94,6 +102,7 @@ class RecipeConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = True  # recompute each decoder layer's activations in the backward (TRL's default)
     per_device_train_batch_size: int = 8  # completions per rank per optimizer step (one mini-batch)
     steps_per_generation: int = 4  # mini-batches (optimizer steps) per rollout, per iteration
     num_iterations: int = 1  # passes over each rollout
@@ -114,8 +123,8 @@ class RecipeConfig:
     # GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: f(completions, **columns) -> list[float])
     reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"])
     # --- sections ---
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: DataSettings = field(default_factory=DataSettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     padding: PaddingSettings = field(default_factory=PaddingSettings)
@@ -123,6 +132,12 @@ class RecipeConfig:
     @property
     def prompts_per_rank(self) -> int:
         return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+
+    def max_logprob_diff(self) -> float:
+        """vllm.max_logprob_diff, or its default for model.dtype."""
+        if self.vllm.max_logprob_diff is not None:
+            return self.vllm.max_logprob_diff
+        return MAX_LOGPROB_DIFF[self.model.dtype]
 
     def validate(self) -> None:
         choices = {
@@ -168,6 +183,8 @@ class RecipeConfig:
             raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or null (keep all)")
         if self.vllm.kv_cache_gb <= 0:
             raise ConfigError(f"vllm.kv_cache_gb={self.vllm.kv_cache_gb} must be > 0")
+        if not 0 < self.vllm.gpu_memory_utilization <= 1:
+            raise ConfigError(f"vllm.gpu_memory_utilization={self.vllm.gpu_memory_utilization} must be in (0, 1]")
         if not self.reward_funcs:
             raise ConfigError("reward_funcs is empty; name at least one 'module:function'")
 

@@ -55,7 +55,7 @@ def plot(runs: list[Path], out: Path) -> Path:
     styles = ["-", "--", ":", "-."]  # identical curves (merge on and off sample the same tokens) stay visible
     for i, run in enumerate(runs):
         rows = read_metrics(run)
-        steps = [r["step"] for r in rows]
+        steps = [r["rollout_step"] for r in rows]
         for ax, (key, title, log) in zip(axes.flat, PANELS):
             values = [max(r.get(key, float("nan")), 1e-12) if log else r.get(key, float("nan")) for r in rows]
             line, = ax.plot(steps, values, linestyle=styles[i % len(styles)], marker="o", markersize=2,
@@ -63,7 +63,7 @@ def plot(runs: list[Path], out: Path) -> Path:
             if key == "ratio_mean" and "ratio_max" in rows[0]:  # the extreme token, thin, same colour
                 ax.plot(steps, [r["ratio_max"] for r in rows], color=line.get_color(), linewidth=0.6, alpha=0.5)
             ax.set_title(title)
-            ax.set_xlabel("step")
+            ax.set_xlabel("rollout step")
             if log:
                 ax.set_yscale("log")
     axes.flat[0].set_title("PPO ratio: mean (thick), max (thin)")

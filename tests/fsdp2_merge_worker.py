@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from bench_sync import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
+from bench_common import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
 from merge import decoder_layers, merged_lora_params
 from qwen3_lora import tiny_lora
 

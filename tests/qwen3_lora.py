@@ -1,10 +1,9 @@
 """Small random Qwen3 + LoRA models shared by the tests (no download)."""
 
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from bench_common import ALL_LINEAR, with_random_lora
 
 
 def tiny_qwen3(seed: int = 0, dtype=torch.float32, layers: int = 2, hidden: int = 64, tie: bool = True) -> Qwen3ForCausalLM:
@@ -16,12 +15,6 @@ def tiny_qwen3(seed: int = 0, dtype=torch.float32, layers: int = 2, hidden: int 
 
 
 def tiny_lora(seed=0, dtype=torch.float32, targets=ALL_LINEAR, layers=2, hidden=64, tie=True, **lora):
-    """A LoRA model whose lora_B is non-zero, so merging changes every targeted weight."""
-    model = get_peft_model(tiny_qwen3(seed, dtype, layers, hidden, tie),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=targets, **lora))
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model
+    """A rank-8 LoRA model whose lora_B is non-zero, so merging changes every targeted weight."""
+    return with_random_lora(tiny_qwen3(seed, dtype, layers, hidden, tie), rank=8, targets=targets, lora_b_std=0.1,
+                            seed=seed, **lora)

@@ -19,9 +19,19 @@ def launch_command(output_dir: Path, model: str, *overrides: str) -> list[str]:
 
 
 def launch_env() -> dict[str, str]:
-    """Offline, and with tests/ importable (for the reward functions in tests/faulty_rewards.py)."""
-    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    """Offline, with this checkout's packages first and tests/ importable (for tests/faulty_rewards.py)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+
+
+def run_recipe(output_dir: Path, *overrides: str, offline: bool = True) -> subprocess.CompletedProcess:
+    """The recipe as one plain process (no launcher), on the embedded default's config: for refusals before any work."""
+    env = launch_env()
+    if not offline:
+        env.pop("HF_HUB_OFFLINE")
+    command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py"), "--config",
+               str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"output_dir={output_dir}", "run_name=run", *overrides]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -1,6 +1,7 @@
 """Checkpoints: atomic writes (a failed save loses nothing), exact restore, rotation, refusals before any work."""
 
 import errno
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ from peft import PeftModel
 import checkpointing
 from checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from grpo_config import ConfigError, load_config
-from grpo_qwen3_4b import check_vllm_lora_targets, init_distributed, main
+from parallel import init_distributed
+from recipe_runs import run_recipe
+from rollout_engine import check_vllm_lora_targets
 from qwen3_lora import tiny_lora, tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,24 +109,21 @@ def test_resume_refuses_another_config_and_incomplete_checkpoints(tmp_path):
         resolve_checkpoint("last", tmp_path / "empty")
 
 
-def run_main(tmp_path, *overrides):
-    main(["--config", str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"output_dir={tmp_path}", "run_name=run",
-          "model.build_tiny=null", *overrides])
-
-
 def test_a_new_run_never_overwrites_checkpoints(tmp_path):
     (tmp_path / "run" / "checkpoint-8").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="already holds checkpoint-8 from an earlier run: continue it with "
-                                          "resume_from_checkpoint=last"):
-        run_main(tmp_path)
-    with pytest.raises(FileNotFoundError, match="resume_from_checkpoint='/no/such/checkpoint'"):
-        run_main(tmp_path, "resume_from=/no/such/checkpoint")
+    proc = run_recipe(tmp_path, "model.build_tiny=null")
+    assert proc.returncode != 0
+    assert ("already holds checkpoint-8 from an earlier run: continue it with resume_from_checkpoint=last"
+            in proc.stderr), proc.stderr[-3000:]
+    proc = run_recipe(tmp_path, "model.build_tiny=null", "resume_from=/no/such/checkpoint")
+    assert proc.returncode != 0 and "resume_from_checkpoint='/no/such/checkpoint'" in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint-8").is_dir()
 
 
-def test_missing_model_path_is_named(tmp_path, monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    with pytest.raises(ConfigError, match="model.name_or_path='/no/such/model' does not exist locally"):
-        run_main(tmp_path, "model.name_or_path=/no/such/model")
+def test_missing_model_path_is_named(tmp_path):
+    proc = run_recipe(tmp_path, "model.build_tiny=null", "model.name_or_path=/no/such/model", offline=False)
+    assert proc.returncode != 0
+    assert "model.name_or_path='/no/such/model' does not exist locally" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_fsdp_version_1_accelerate_config_is_refused(monkeypatch):
@@ -158,6 +158,7 @@ def test_resume_from_alias():
 def test_dataset_without_the_reward_columns_is_refused(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "What is 2+2?", "solution": "4"}\n')
-    with pytest.raises(ConfigError, match=r"lacks column\(s\) \['answer'\] that reward_funcs .* it has \['question', "
-                                          r"'solution'\]"):
-        run_main(tmp_path, f"model.name_or_path={tmp_path}", f"data.name={data}")
+    proc = run_recipe(tmp_path, "model.build_tiny=null", f"model.name_or_path={tmp_path}", f"data.name={data}")
+    assert proc.returncode != 0
+    assert re.search(r"lacks column\(s\) \['answer'\] that reward_funcs .* it has \['question', 'solution'\]",
+                     proc.stderr), proc.stderr[-3000:]

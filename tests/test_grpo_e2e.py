@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from recipe_runs import launch
 
-METRIC_NAMES = {"step", "merge", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max", "clip_frac",
+METRIC_NAMES = {"rollout_step", "global_step", "merge", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max", "clip_frac",
                 "rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_tokens", "rollout_s",
                 "rollout_tokens_per_s", "sync_s", "update_s", "step_s", "peak_mem_gb"}
 
@@ -33,7 +33,7 @@ def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(adapter))
     lora_b = [p for n, p in trained.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # peft loads it, and it holds the trained weights
-    assert "step 3/3 reward" in (tmp_path / "run" / "train.log").read_text()  # the log outlives vLLM's logging setup
+    assert "rollout 3/3 (optimizer step 6) reward" in (tmp_path / "run" / "train.log").read_text()  # the log outlives vLLM's logging setup
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert f"merge: {str(merge).lower()}" in config
 

@@ -10,7 +10,7 @@ from plot_metrics import plot, summary
 
 def write_run(folder, merge, legacy, ratio):
     folder.mkdir()
-    rows = [dict(step=s, merge=merge, legacy_slice=legacy, ratio_mean=ratio * s, ratio_max=2 * ratio * s,
+    rows = [dict(rollout_step=s, merge=merge, legacy_slice=legacy, ratio_mean=ratio * s, ratio_max=2 * ratio * s,
                  rollout_logprob_diff_mean=3e-7, rollout_tokens_per_s=2500.0 if merge else 500.0,
                  reward_mean=0.5 + 0.01 * s, step_s=float(s if merge else 2 * s), sync_s=0.1, rollout_s=1.0,
                  update_s=2.0) for s in range(1, 6)]

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from grpo_config import ConfigError, load_config
-from grpo_qwen3_4b import group_advantages, load_problems, make_batch, reward_columns, select, tokenize_prompts
+from grpo_data import group_advantages, load_problems, make_batch, reward_columns, select, tokenize_prompts
 from padding import no_padding_2_padding, unpad
+from rollout_engine import Sample
 from tiny_gsm8k import build_tokenizer, gsm8k_exact_answer_reward
 
 
@@ -20,8 +21,10 @@ def test_group_advantages():
 
 
 def test_make_batch_layout_and_select_trims():
-    samples = [dict(prompt_ids=[5, 6, 7], completion_ids=[8, 9], vllm_logprobs=[-0.1, -0.2]),
-               dict(prompt_ids=[5], completion_ids=[8, 9, 10, 11], vllm_logprobs=[-0.3, -0.4, -0.5, -0.6])]
+    samples = [Sample(prompt_ids=[5, 6, 7], completion_ids=[8, 9], text="", logprobs=[-0.1, -0.2], truncated=False,
+                      prompt_index=0),
+               Sample(prompt_ids=[5], completion_ids=[8, 9, 10, 11], text="", logprobs=[-0.3, -0.4, -0.5, -0.6],
+                      truncated=True, prompt_index=1)]
     batch = make_batch(samples, pad_id=0, device=torch.device("cpu"))
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0], [0, 0, 5, 8, 9, 10, 11]]
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]

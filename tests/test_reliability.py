@@ -13,18 +13,18 @@ from transformers import AutoModelForCausalLM
 from recipe_runs import ROOT, launch, launch_command, launch_env, read_metrics
 
 # everything a step computes that does not depend on the clock
-DETERMINISTIC = ["step", "global_step", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max",
+DETERMINISTIC = ["rollout_step", "global_step", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max",
                  "clip_frac", "rollout_logprob_diff_mean", "rollout_tokens", "loss", "lr"]
 
 
 def checkpoint_step(checkpoint) -> int:
-    return json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    return json.loads((checkpoint / "trainer_state.json").read_text())["rollout_step"]
 
 
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model):
     reference, metrics = launch(tmp_path / "uninterrupted", tiny_model, "max_steps=12")
     assert reference.returncode == 0, reference.stderr[-5000:]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["rollout_step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
 
     # Interrupt a longer run as a terminal or a cluster scheduler would: SIGTERM to every process of the job.
     out, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
@@ -50,8 +50,8 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, t
     # Resume in place (short alias, newest checkpoint): the steps after the checkpoint equal the uninterrupted run's.
     resumed, metrics_after = launch(out, tiny_model, "max_steps=12", "resume_from=last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert f"continuing at step {stopped_at + 1} of 6" in resumed.stderr
-    assert [m["step"] for m in metrics_after] == [1, 2, 3, 4, 5, 6]  # earlier lines kept, later ones redone once
+    assert f"continuing at rollout step {stopped_at + 1} of 6" in resumed.stderr
+    assert [m["rollout_step"] for m in metrics_after] == [1, 2, 3, 4, 5, 6]  # earlier lines kept, later ones redone once
     for got, want in zip(metrics_after, metrics):
         assert {k: got[k] for k in DETERMINISTIC} == pytest.approx({k: want[k] for k in DETERMINISTIC}, rel=1e-9)
 
@@ -62,7 +62,7 @@ def test_nan_reward_on_one_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_pa
     assert "step 2, rewards: non-finite reward from faulty_rewards:nan_on_rank0_second_call" in proc.stderr
     last_good = tmp_path / "run" / "checkpoint-2"
     assert f"the last good checkpoint is {last_good}" in proc.stderr
-    assert [m["step"] for m in metrics] == [1]
+    assert [m["rollout_step"] for m in metrics] == [1]
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
     assert checkpoint_step(last_good) == 1
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(last_good))

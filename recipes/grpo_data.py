@@ -1,0 +1,169 @@
+"""Data for the GRPO recipe: prompts in, rewards and advantages, and the padded training batch out.
+
+- `load_problems` / `tokenize_prompts`: a dataset (hub id, local file or folder, or the generated problems) to
+  rows with `prompt` and `prompt_ids`; empty and over-long prompts are dropped with a counted warning.
+- `load_reward_funcs` / `score`: reward functions with TRL's signature ``f(prompts, completions,
+  completion_ids, **columns) -> list[float | None]``, summed (None means "not applicable", as in TRL).
+- `group_advantages`: GRPO's group-normalized advantages.
+- `make_batch` / `select`: left-padded prompts + right-padded responses, the layout `padding/` documents.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from grpo_config import ConfigError, RecipeConfig
+
+log = logging.getLogger("grpo")
+
+# Arguments TRL passes to reward functions itself; every other required parameter names a dataset column.
+_TRL_REWARD_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+
+
+def load_reward_funcs(names: list[str]) -> list:
+    """'module:function' -> callable with TRL's signature ``f(completions, **columns) -> list[float]``."""
+    funcs = []
+    for name in names:
+        module_name, sep, attr = name.partition(":")
+        if not sep:
+            raise ConfigError(f"reward_funcs entry {name!r} must look like 'module:function'")
+        try:
+            funcs.append(getattr(importlib.import_module(module_name), attr))
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"reward_funcs entry {name!r} cannot be imported: {err}") from err
+    return funcs
+
+
+def reward_columns(func) -> list[str]:
+    """Dataset columns a TRL-style reward function asks for by name (beyond prompts/completions)."""
+    params = inspect.signature(func).parameters.values()
+    return [p.name for p in params
+            if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _TRL_REWARD_ARGS and p.default is p.empty]
+
+
+def check_reward_columns(cfg: RecipeConfig, reward_funcs: list, problems: list[dict]) -> None:
+    needed = {c for f in reward_funcs for c in reward_columns(f)}
+    missing = sorted(needed - set(problems[0]))
+    if missing:
+        raise ConfigError(f"data.name={cfg.data.name!r} lacks column(s) {missing} that reward_funcs "
+                          f"{cfg.reward_funcs} need; it has {sorted(problems[0])}")
+
+
+def load_problems(cfg: RecipeConfig) -> list[dict]:
+    """The dataset's rows as dicts: the generated problems, a local file/folder, or a hub dataset."""
+    if cfg.data.name == "generated":
+        from tiny_gsm8k import make_problems
+
+        return make_problems(cfg.data.num_generated, seed=cfg.seed)
+    from datasets import load_dataset
+
+    local = Path(cfg.data.name)
+    try:
+        if local.exists():
+            suffix = local.suffix.lstrip(".")
+            if local.is_file() and suffix in ("json", "jsonl", "csv", "parquet"):
+                data = load_dataset("json" if suffix == "jsonl" else suffix, data_files=str(local), split=cfg.data.split)
+            else:
+                data = load_dataset(str(local), cfg.data.config_name, split=cfg.data.split)
+        else:
+            data = load_dataset(cfg.data.name, cfg.data.config_name, split=cfg.data.split)
+    except Exception as err:  # datasets raises many types; name the bad value either way
+        raise ConfigError(f"data.name={cfg.data.name!r} (split {cfg.data.split!r}) cannot be loaded: {err}") from err
+    return [dict(row) for row in data]
+
+
+def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict]) -> list[dict]:
+    """Add `prompt` (text) and `prompt_ids`; drop empty or over-long prompts with a counted warning."""
+    kept, empty, too_long = [], 0, 0
+    for row in problems:
+        try:
+            text = cfg.data.prompt_template.format(**row)
+        except KeyError as err:
+            raise ConfigError(f"data.prompt_template={cfg.data.prompt_template!r} names column {err} that "
+                              f"data.name={cfg.data.name!r} lacks; it has {sorted(row)}") from None
+        if cfg.data.use_chat_template and tokenizer.chat_template:
+            messages = ([{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else [])
+            messages.append({"role": "user", "content": text})
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(text).input_ids
+        if not text.strip() or not ids:
+            empty += 1
+        elif len(ids) > cfg.data.max_prompt_length:
+            too_long += 1
+        else:
+            kept.append({**row, "prompt": text, "prompt_ids": ids})
+    if empty or too_long:
+        log.warning("dropped %d empty and %d prompts longer than data.max_prompt_length=%d tokens (of %d)",
+                    empty, too_long, cfg.data.max_prompt_length, len(problems))
+    if not kept:
+        raise ConfigError(f"no usable prompt in data.name={cfg.data.name!r} (all empty or too long)")
+    return kept
+
+
+def score(reward_funcs: dict, rows: list[dict], samples) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Call each reward function as TRL does; returns (summed rewards [N], {name: the non-None values})."""
+    sample_rows = [rows[s.prompt_index] for s in samples]
+    columns = {k: [row[k] for row in sample_rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    table, returned = [], {}
+    for name, func in reward_funcs.items():
+        values = func(prompts=[row["prompt"] for row in sample_rows], completions=[s.text for s in samples],
+                      completion_ids=[s.completion_ids for s in samples], **columns)
+        table.append([math.nan if v is None else v for v in values])
+        returned[f"reward from {name}"] = torch.tensor([v for v in values if v is not None], dtype=torch.float64)
+    return torch.tensor(table, dtype=torch.float32).nansum(dim=0), returned
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by the group (or batch) std unless scale='none'."""
+    grouped = rewards.view(-1, group)
+    centered = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    if scale == "group":
+        return centered / (grouped.std(dim=1).repeat_interleave(group) + 1e-4)
+    if scale == "batch":
+        return centered / (rewards.std() + 1e-4)
+    return centered
+
+
+def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded responses -> input_ids/attention_mask [N, P+R], response_mask and the
+    engine's log-probs [N, R], truncated [N]."""
+    width_p = max(len(s.prompt_ids) for s in samples)
+    width_r = max(1, max(len(s.completion_ids) for s in samples))
+    n = len(samples)
+    input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)
+    vllm_logprobs = torch.zeros((n, width_r))
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, width_p - p : width_p] = torch.tensor(s.prompt_ids)
+        input_ids[i, width_p : width_p + r] = torch.tensor(s.completion_ids, dtype=torch.long)
+        attention_mask[i, width_p - p : width_p + r] = 1
+        vllm_logprobs[i, :r] = torch.tensor(s.logprobs)
+    response_mask = attention_mask[:, width_p:].clone()
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                 vllm_logprobs=vllm_logprobs, truncated=torch.tensor([s.truncated for s in samples]))
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Rows of a batch, with the columns trimmed to the longest prompt and response among them."""
+    sub = {k: v[rows] for k, v in batch.items()}
+    width_r = batch["response_mask"].shape[1]
+    width_p = batch["attention_mask"].shape[1] - width_r
+    prompt_used = sub["attention_mask"][:, :width_p].sum(1).max().item()
+    response_used = max(1, sub["response_mask"].sum(1).max().item())
+    cols = slice(width_p - prompt_used, width_p + response_used)
+    for key in ("input_ids", "attention_mask"):
+        sub[key] = sub[key][:, cols]
+    for key, value in sub.items():
+        if key not in ("input_ids", "attention_mask") and value.dim() == 2:  # [N, R] per-token tensors
+            sub[key] = value[:, :response_used]
+    return sub

@@ -1,0 +1,148 @@
+"""Memory per device for each phase of a rollout step, estimated from the model's config alone (no weights).
+
+    python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --world 1 8 [overrides]
+
+The recipe prints this plan at start and stops before loading anything when the largest phase does not fit on the
+device. The terms (per device, bytes):
+
+  policy shard      base weights in model.dtype / world (FSDP2 shards; one process holds them whole)
+  unsharded layers  two decoder layers in the compute dtype: the one in use and the one prefetched
+  LoRA + AdamW      fp32 LoRA weights, gradients and two moments (16 bytes per LoRA parameter) / world
+  vLLM weights      the whole model in model.dtype: every rank runs its own engine (tensor parallel 1)
+  KV cache          vllm.kv_cache_gb
+  activations       one mini-batch (per_device_train_batch_size x the longest sequence): with gradient
+                    checkpointing each layer keeps its input and one layer is recomputed at a time; without,
+                    every layer keeps its intermediates. Plus the logits: compute-dtype logits and their gradient,
+                    and the fp32 log-softmax blocks kept for the backward.
+
+Phases: sync (shard + LoRA/AdamW + vLLM weights + unsharded layers), rollout (shard + LoRA/AdamW + vLLM
+weights + KV cache), update (shard + LoRA/AdamW + unsharded layers + activations, plus vLLM's weights and KV
+cache unless vllm.enable_sleep_mode releases them). An estimate, not a measurement: allocator fragmentation,
+CUDA graphs and the CUDA context (~1 GiB) come on top, so the check leaves 10% of the device free.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from grpo_config import RecipeConfig, load_config
+
+GIB = 2**30
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def _parameter_counts(model_config, target_modules: list[str], rank: int) -> dict[str, int]:
+    """Total, largest decoder layer and LoRA parameter counts of the model ``model_config`` describes."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    layers = model.model.layers
+    lora = sum(rank * (module.in_features + module.out_features)
+               for layer in layers for name, module in layer.named_modules()
+               if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules)
+    return dict(total=sum(p.numel() for p in model.parameters()),
+                layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers), lora=lora)
+
+
+def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: bool) -> int:
+    """One mini-batch's activations kept for the backward, logits included."""
+    tokens = cfg.per_device_train_batch_size * (cfg.data.max_prompt_length + cfg.max_completion_length)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+    intermediate = getattr(c, "intermediate_size", 4 * c.hidden_size)
+    # norms and residuals, q/k/v and their rotated copies, attention output, the MLP's gate/up/act/product
+    per_layer = compute_bytes * tokens * (8 * c.hidden_size + 3 * qkv + 4 * intermediate)
+    stored = (compute_bytes * tokens * c.hidden_size * c.num_hidden_layers + per_layer if checkpointing
+              else per_layer * c.num_hidden_layers)
+    logits = tokens * c.vocab_size * (2 * compute_bytes + 4)
+    return stored + logits
+
+
+def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool | None = None,
+                compute_dtype: str | None = None) -> dict:
+    """Bytes per device of each term and each phase (see the module docstring)."""
+    checkpointing = cfg.gradient_checkpointing if checkpointing is None else checkpointing
+    counts = _parameter_counts(model_config, cfg.lora.target_modules, cfg.lora.r)
+    weight_bytes = _BYTES[cfg.model.dtype]
+    compute_bytes = _BYTES[compute_dtype or cfg.model.dtype]
+    terms = {
+        "policy shard": counts["total"] * weight_bytes / world,
+        "unsharded layers": 2 * counts["layer"] * compute_bytes if world > 1 else 0,
+        "LoRA + AdamW": 16 * counts["lora"] / world,
+        "vLLM weights": counts["total"] * weight_bytes,
+        "KV cache": cfg.vllm.kv_cache_gb * GIB,
+        "activations": _activation_bytes(model_config, cfg, compute_bytes, checkpointing),
+    }
+    trainer = terms["policy shard"] + terms["LoRA + AdamW"]
+    engine = terms["vLLM weights"] + terms["KV cache"]
+    phases = {
+        "sync": trainer + terms["vLLM weights"] + terms["unsharded layers"],
+        "rollout": trainer + engine,
+        "update": trainer + terms["unsharded layers"] + terms["activations"]
+        + (0 if cfg.vllm.enable_sleep_mode else engine),
+    }
+    return dict(terms=terms, phases=phases, parameters=counts)
+
+
+def device_memory_bytes(device: torch.device) -> float:
+    """What one process may use: its GPU's memory, or on CPU the machine's memory shared by its local processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import os
+
+    import psutil
+
+    return psutil.virtual_memory().total / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def format_plan(plan: dict, device_bytes: float | None = None) -> str:
+    lines = [f"{name:>17}: {value / GIB:7.2f} GiB" for name, value in plan["terms"].items()]
+    lines += [f"{'phase ' + name:>17}: {value / GIB:7.2f} GiB" for name, value in plan["phases"].items()]
+    if device_bytes:
+        lines.append(f"{'device':>17}: {device_bytes / GIB:7.2f} GiB")
+    return "\n".join(lines)
+
+
+def check_fits(plan: dict, device_bytes: float, cfg: RecipeConfig) -> str | None:
+    """None if every phase fits in 90% of ``device_bytes``; else a message naming the phase and what to change."""
+    phase, need = max(plan["phases"].items(), key=lambda item: item[1])
+    if need <= 0.9 * device_bytes:
+        return None
+    hints = [f"per_device_train_batch_size={cfg.per_device_train_batch_size} (activations "
+             f"{plan['terms']['activations'] / GIB:.1f} GiB)"]
+    if not cfg.gradient_checkpointing:
+        hints.append("gradient_checkpointing=true")
+    if not cfg.vllm.enable_sleep_mode:
+        hints.append("vllm.enable_sleep_mode=true (GPU)")
+    hints.append(f"vllm.kv_cache_gb={cfg.vllm.kv_cache_gb:g}")
+    return (f"the configured run needs about {need / GIB:.1f} GiB per device in its {phase} phase, more than 90% of "
+            f"the device's {device_bytes / GIB:.1f} GiB; lower {', '.join(hints)}, or use more processes\n"
+            + format_plan(plan, device_bytes))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--world", type=int, nargs="+", default=[1, 8], help="processes (GPUs) to plan for")
+    parser.add_argument("--device-gib", type=float, default=80.0, help="memory of one device")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    from transformers import AutoConfig
+
+    cfg = load_config(args.config, args.overrides)
+    model_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    for world in args.world:
+        for checkpointing in (True, False):
+            plan = memory_plan(model_config, cfg, world, checkpointing)
+            print(f"\n{cfg.model.name_or_path}, {world} device(s), gradient_checkpointing={checkpointing}, "
+                  f"sleep mode {cfg.vllm.enable_sleep_mode}:")
+            print(format_plan(plan, args.device_gib * GIB))
+            problem = check_fits(plan, args.device_gib * GIB, cfg)
+            print("fits" if problem is None else "does NOT fit")
+
+
+if __name__ == "__main__":
+    main()

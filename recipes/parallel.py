@@ -1,0 +1,178 @@
+"""Processes and FSDP2 for the recipes, torchtitan-style: join the group, shard, reduce metrics by name.
+
+`accelerate launch` (or torchrun) only starts the processes. `init_distributed` joins them (gloo on CPU, NCCL
+on GPU) and `apply_fsdp` calls `fully_shard` on each decoder layer and then on the root, and checks that every
+parameter ended up a DTensor: with an FSDP config on CPU, accelerate's own path starts processes that shard
+nothing, without an error. What the accelerate config asks of FSDP reaches this module through the environment
+`accelerate launch` exports (`FSDP_*`, `ACCELERATE_MIXED_PRECISION`): `fsdp_settings` honours
+reshard_after_forward, offload_params, activation_checkpointing and mixed_precision, and refuses by name any
+other setting the recipe would not carry out.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from grpo_config import ConfigError
+from merge import decoder_layers
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """The accelerate config's FSDP choices that the recipe carries out."""
+
+    reshard_after_forward: bool = True
+    offload_params: bool = False
+    activation_checkpointing: bool = False
+    mixed_precision: str = "no"  # accelerate's mixed_precision: "no" or "bf16"
+
+
+# accelerate's FSDP environment -> (the fsdp_config key the user wrote, values the recipe does as asked; None: unset)
+_FIXED_BEHAVIOUR = {
+    "FSDP_VERSION": ("fsdp_version", {None, "2"}),
+    "FSDP_SHARDING_STRATEGY": ("fsdp_sharding_strategy", {None, "FULL_SHARD", "1"}),
+    "FSDP_AUTO_WRAP_POLICY": ("fsdp_auto_wrap_policy", {None, "TRANSFORMER_BASED_WRAP"}),
+    "FSDP_BACKWARD_PREFETCH": ("fsdp_backward_prefetch", {None, "BACKWARD_PRE"}),
+    "FSDP_FORWARD_PREFETCH": ("fsdp_forward_prefetch", {None, "false"}),
+    "FSDP_USE_ORIG_PARAMS": ("fsdp_use_orig_params", {None, "true"}),
+    "FSDP_STATE_DICT_TYPE": ("fsdp_state_dict_type", {None, "FULL_STATE_DICT"}),
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": ("fsdp_activation_checkpointing_offload", {None, "false"}),
+    "FSDP_IGNORED_MODULES": ("fsdp_ignored_modules", {None}),
+}
+_WHY = {
+    "fsdp_version": "this recipe shards with FSDP2 only: set `fsdp_version: 2`",
+    "fsdp_sharding_strategy": "FSDP2 shards fully; for SHARD_GRAD_OP's behaviour set fsdp_reshard_after_forward: false",
+    "fsdp_auto_wrap_policy": "the recipe shards each decoder layer, then the root (TRANSFORMER_BASED_WRAP)",
+    "fsdp_backward_prefetch": "FSDP2 prefetches the next layer in the backward itself (BACKWARD_PRE)",
+    "fsdp_forward_prefetch": "FSDP2's implicit forward prefetch is used",
+    "fsdp_use_orig_params": "FSDP2 always keeps the original parameters",
+    "fsdp_state_dict_type": "checkpoints hold the full LoRA adapter and optimizer state (small; world-size free)",
+    "fsdp_activation_checkpointing_offload": "checkpointed activations stay on the device",
+    "fsdp_ignored_modules": "every module is sharded",
+}
+
+
+def _flag(env, name: str, default: str) -> bool:
+    return env.get(name, default).lower() == "true"
+
+
+def fsdp_settings(env=os.environ) -> FSDPSettings:
+    """What `accelerate launch` exported from the config's fsdp_config and mixed_precision (defaults without it).
+
+    Refuses, naming the key and value, every FSDP setting the recipe would not carry out as written.
+    """
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision not in ("no", "bf16"):
+        raise ConfigError(f"accelerate config mixed_precision={precision!r} is not supported: use 'bf16' (bf16 compute, "
+                          "fp32 LoRA weights and gradient reduction) or 'no' (model.dtype decides)")
+    if env.get("ACCELERATE_USE_FSDP", "false") != "true":
+        return FSDPSettings(mixed_precision=precision)
+    for variable, (key, accepted) in _FIXED_BEHAVIOUR.items():
+        value = env.get(variable)
+        if value not in accepted:
+            raise ConfigError(f"accelerate config {key}={value!r} is not supported: {_WHY[key]}")
+    return FSDPSettings(reshard_after_forward=_flag(env, "FSDP_RESHARD_AFTER_FORWARD", "true"),
+                        offload_params=_flag(env, "FSDP_OFFLOAD_PARAMS", "false"),
+                        activation_checkpointing=_flag(env, "FSDP_ACTIVATION_CHECKPOINTING", "false"),
+                        mixed_precision=precision)
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the processes the launcher started; returns (rank, world size, this rank's device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world > 1:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        return dist.get_rank(), world, device
+    return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
+def fully_shard_kwargs(settings: FSDPSettings, param_dtype: torch.dtype) -> dict:
+    """The arguments every `fully_shard` call gets: compute in ``param_dtype``, reduce gradients in fp32."""
+    kwargs = dict(mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+                  reshard_after_forward=settings.reshard_after_forward)
+    if settings.offload_params:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward (before `apply_fsdp`, like torchtitan's apply_ac).
+
+    transformers' own per-layer checkpointing, which keeps the parameter names (a checkpoint_wrapper would add
+    `_checkpoint_wrapped_module.` to them); non-reentrant, so the recompute re-runs FSDP2's unshard hooks.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(model: torch.nn.Module, param_dtype: torch.dtype, settings: FSDPSettings = FSDPSettings()) -> None:
+    """``fully_shard`` each decoder layer (the unit `merged_lora_params` unshards), then the root."""
+    kwargs = fully_shard_kwargs(settings, param_dtype)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if unsharded:
+        raise RuntimeError(f"{len(unsharded)} parameters are not sharded under FSDP2, e.g. {unsharded[:3]}")
+
+
+def check_shared_output_dir(run_dir: Path, rank: int, world: int) -> None:
+    """Every rank must see the files rank 0 writes into ``run_dir`` (a collective).
+
+    Rank 0 alone writes the rollout adapter (lora.merge=false) and the checkpoints; on several nodes, output_dir
+    must therefore be on a filesystem every node mounts. Rank 0 writes a token, every rank reads it back.
+    """
+    if world == 1:
+        return
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(token)
+    marker = run_dir / ".shared_output_dir_check"
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token[0])
+    dist.barrier()
+    seen = marker.is_file() and marker.read_text() == token[0]
+    views = [None] * world
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    dist.barrier()
+    if rank == 0:
+        marker.unlink()
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise ConfigError(f"output_dir: {run_dir} is not shared by all processes: {', '.join(blind)} cannot see the "
+                          f"files rank 0 (on {views[0][1]}) writes there. Rank 0 writes the checkpoints and the "
+                          "rollout adapter for every rank: put output_dir on a filesystem every node mounts")
+
+
+def _all_reduce(values: list[float], op) -> list[float]:
+    if not dist.is_initialized() or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":  # NCCL reduces GPU tensors only
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def reduce_across_ranks(sums: dict[str, float] | None = None, mins: dict[str, float] | None = None,
+                        maxs: dict[str, float] | None = None) -> dict[str, float]:
+    """Sum, min or max each named value over all ranks (one collective per kind); returns one dict of results."""
+    out = {}
+    for values, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
+        if values:
+            out.update(zip(values, _all_reduce([float(v) for v in values.values()], op)))
+    return out

@@ -1,0 +1,190 @@
+"""The GPU path, checked on CPU: what reaches vLLM and FSDP2, the memory plan at Qwen3-4B's size, accelerate's keys.
+
+CI has no GPU, so these tests check the arguments the recipe hands to vLLM and torch on a GPU (the call itself
+cannot run here), read against vLLM 0.32's GPU worker (`vllm/v1/worker/gpu_worker.py`: free memory must cover
+gpu_memory_utilization x total at start even with kv_cache_memory_bytes; sleep/wake_up by tag).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from grpo_config import ConfigError, load_config
+from memory_plan import GIB, check_fits, memory_plan
+from parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
+from qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
+from rollout_engine import RolloutEngine, engine_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
+
+
+def engine_args(cfg, device_type: str) -> dict:
+    """The recipe's engine arguments for ``cfg`` (as grpo_qwen3_4b.setup builds them), on rank 0 of 8."""
+    return dict(dtype=cfg.model.dtype, seed=cfg.seed, max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length,
+                kv_cache_gb=cfg.vllm.kv_cache_gb, enforce_eager=cfg.vllm.enforce_eager, distributed=True,
+                device_type=device_type, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+                enable_sleep_mode=cfg.vllm.enable_sleep_mode)
+
+
+def test_qwen_config_reaches_vllm_with_a_gpu_memory_share_and_sleep_mode():
+    cfg = load_config(QWEN_CONFIG)
+    kwargs = engine_kwargs(cfg.model.name_or_path, **engine_args(cfg, "cuda"))
+    assert kwargs["gpu_memory_utilization"] == 0.3  # TRL's default: the policy already holds part of the GPU
+    assert kwargs["enable_sleep_mode"] is True
+    assert kwargs["kv_cache_memory_bytes"] == 7 * 2**30  # 64 sequences x 768 tokens x 144 KiB
+    assert kwargs["dtype"] == "bfloat16" and kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    cpu = engine_kwargs("m", **{**engine_args(cfg, "cpu"), "enable_sleep_mode": False})
+    assert "gpu_memory_utilization" not in cpu and "enable_sleep_mode" not in cpu
+
+
+def test_sleep_mode_on_cpu_is_refused_by_name():
+    cfg = load_config(QWEN_CONFIG)
+    with pytest.raises(ConfigError, match="vllm.enable_sleep_mode=true needs a GPU"):
+        engine_kwargs("m", **engine_args(cfg, "cpu"))
+
+
+def test_kv_cache_size_of_the_qwen_config_holds_its_rollout():
+    cfg = load_config(QWEN_CONFIG)
+    c = qwen3_4b_config()
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
+    sequences = cfg.per_device_train_batch_size * cfg.steps_per_generation
+    needed = sequences * (cfg.data.max_prompt_length + cfg.max_completion_length) * per_token
+    assert needed <= cfg.vllm.kv_cache_gb * GIB < 1.2 * needed
+
+
+class RecordingLLM:
+    """Stands in for vllm.LLM: records the calls the engine makes, in order."""
+
+    calls: list = []
+
+    def __init__(self, **kwargs):
+        self.calls.append(("LLM", kwargs.get("enable_sleep_mode")))
+
+    def get_tokenizer(self):
+        return None
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, sorted(kwargs)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, prompts, sampling, lora_request=None, use_tqdm=False):
+        self.calls.append(("generate", len(prompts)))
+        return []
+
+
+@pytest.mark.parametrize("sleep_level", [2, 1])
+def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
+    """Sleep after start and after each generation; wake the weights before a push, the KV cache before generating."""
+    import vllm
+
+    RecordingLLM.calls = []
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    engine = RolloutEngine("m", sleep_level=sleep_level, **engine_args(load_config(QWEN_CONFIG), "cuda"))
+    engine.push_weights(iter([]))
+    engine.generate([[1, 2]], sampling=None)
+    assert RecordingLLM.calls == [
+        ("LLM", True), ("sleep", sleep_level),
+        ("wake_up", ("weights",)), ("reload_weights", ["is_checkpoint_format", "weights_iterator"]),
+        ("reset_prefix_cache",),
+        ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", sleep_level),
+    ]
+
+
+def test_without_sleep_mode_the_engine_never_sleeps(monkeypatch):
+    import vllm
+
+    RecordingLLM.calls = []
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
+    engine = RolloutEngine("m", **engine_args(cfg, "cuda"))
+    engine.generate([[1]], sampling=None)
+    assert [c[0] for c in RecordingLLM.calls] == ["LLM", "generate"]
+
+
+# ----------------------------------------------------------------------------- memory plan at Qwen3-4B's size
+def test_memory_plan_of_the_qwen_config_on_one_and_eight_gpus():
+    cfg = load_config(QWEN_CONFIG)
+    one, eight = memory_plan(qwen3_4b_config(), cfg, world=1), memory_plan(qwen3_4b_config(), cfg, world=8)
+    assert 4.0e9 <= one["parameters"]["total"] <= 4.1e9  # Qwen3-4B: 4.02B parameters with tied embeddings
+    assert one["terms"]["policy shard"] == 8 * eight["terms"]["policy shard"]
+    assert one["terms"]["vLLM weights"] == eight["terms"]["vLLM weights"]  # every rank runs a whole engine
+    assert check_fits(one, 80 * GIB, cfg) is None and check_fits(eight, 80 * GIB, cfg) is None
+    no_checkpointing = memory_plan(qwen3_4b_config(), cfg, world=1, checkpointing=False)
+    assert no_checkpointing["terms"]["activations"] > 3 * one["terms"]["activations"]
+
+
+def test_a_batch_that_cannot_fit_is_refused_with_the_phase_and_what_to_lower():
+    cfg = load_config(QWEN_CONFIG, ["per_device_train_batch_size=256", "num_generations=8"])
+    message = check_fits(memory_plan(qwen3_4b_config(), cfg, world=8), 80 * GIB, cfg)
+    assert message and "in its update phase" in message and "per_device_train_batch_size=256" in message
+
+
+def test_the_4b_shape_is_qwen3_4b():
+    config = qwen3_4b_config()
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == (
+        36, 2560, 32, 8, 128, 9728, 151936, True)
+    assert qwen3_4b_config(num_layers=2).num_hidden_layers == 2 and QWEN3_4B["rope_theta"] == 1e6
+
+
+# ----------------------------------------------------------------------------- accelerate's fsdp_* keys
+def test_honoured_fsdp_keys_reach_fully_shard():
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+           "FSDP_OFFLOAD_PARAMS": "true", "FSDP_ACTIVATION_CHECKPOINTING": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    settings = fsdp_settings(env)
+    assert settings == FSDPSettings(reshard_after_forward=False, offload_params=True, activation_checkpointing=True,
+                                    mixed_precision="bf16")
+    kwargs = fully_shard_kwargs(settings, torch.bfloat16)
+    assert kwargs["reshard_after_forward"] is False and isinstance(kwargs["offload_policy"], CPUOffloadPolicy)
+    assert kwargs["mp_policy"].param_dtype == torch.bfloat16 and kwargs["mp_policy"].reduce_dtype == torch.float32
+    defaults = fully_shard_kwargs(fsdp_settings({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}), torch.float32)
+    assert defaults["reshard_after_forward"] is True and "offload_policy" not in defaults
+
+
+@pytest.mark.parametrize("variable, value, key", [
+    ("FSDP_VERSION", "1", "fsdp_version"),
+    ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP", "fsdp_sharding_strategy"),
+    ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "fsdp_auto_wrap_policy"),
+    ("FSDP_BACKWARD_PREFETCH", "BACKWARD_POST", "fsdp_backward_prefetch"),
+    ("FSDP_FORWARD_PREFETCH", "true", "fsdp_forward_prefetch"),
+    ("FSDP_USE_ORIG_PARAMS", "false", "fsdp_use_orig_params"),
+    ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT", "fsdp_state_dict_type"),
+    ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true", "fsdp_activation_checkpointing_offload"),
+    ("FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules"),
+    ("ACCELERATE_MIXED_PRECISION", "fp16", "mixed_precision"),
+])
+def test_fsdp_keys_the_recipe_would_not_carry_out_are_refused_by_name(variable, value, key):
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", variable: value}
+    with pytest.raises(ConfigError, match=f"accelerate config {key}='{value}' is not supported"):
+        fsdp_settings(env)
+
+
+def test_shipped_accelerate_configs_are_accepted_as_accelerate_exports_them(tmp_path):
+    """`accelerate launch` itself turns each shipped config into the environment fsdp_settings reads."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, json; print('ENV=' + json.dumps({k: v for k, v in os.environ.items() "
+                     "if k.startswith(('FSDP_', 'ACCELERATE_'))}))")
+    for config in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                               "--num_processes", "1", "--num_machines", "1", "--machine_rank", "0", str(probe)],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        line = next((line for line in proc.stdout.splitlines() if line.startswith("ENV=")), None)
+        assert line, (config.name, proc.stderr[-3000:])
+        settings = fsdp_settings(json.loads(line[4:]))
+        assert settings.reshard_after_forward and not settings.offload_params, config.name
