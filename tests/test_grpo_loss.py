@@ -218,6 +218,19 @@ def test_normalisers_equal_trl(loss_type, num_processes, gradient_accumulation_s
     torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_per_sequence_clip_extremes_skip_empty_rows_like_trl(level):
+    """Every real row is low-clipped, so clip_ratio/low_min is 1 only if the empty row is left out (TRL: NaN)."""
+    data = rollout(seed=9)
+    data.update(logps=data["old"] - 1.0, advantages=-data["advantages"].abs() - 0.1)
+    config = trl_config(**loss_fields("grpo", level, None, 0.0, True, None, 1.0))
+    (theirs, theirs_grad, metrics), (ours, ours_grad, stats) = both_losses(config, data)
+    torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-12, atol=1e-14)
+    expected = 1.0 if level == "token" else 0.0  # sequence level counts every row: the empty one's ratio is 1
+    assert float(stats["clip_low_seq_fraction_min"]) == metrics["clip_ratio/low_min"][0] == expected
+    assert float(stats["clip_high_seq_fraction_max"]) == metrics["clip_ratio/high_max"][0] == 0.0
+
+
 def test_the_data_reaches_every_branch():
     """Guards the comparisons above against vacuous data: each option changes the loss here."""
     data = rollout()
@@ -284,7 +297,8 @@ def trl_vllm_importance_sampling(config, old, sampling, mask):
 
 
 @pytest.mark.parametrize("mode", IS_MODES)
-@pytest.mark.parametrize("clip_min, clip_max", [(None, 3.0), (0.8, 1.25), (0.8, None), (None, 1.1)])
+# (1.0, 3.0): ratios of exactly 1 (padding, the NaN token) sit on the lower bound and are kept
+@pytest.mark.parametrize("clip_min, clip_max", [(None, 3.0), (0.8, 1.25), (0.8, None), (None, 1.1), (1.0, 3.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_vllm_importance_sampling_ratio_equals_trl(mode, clip_min, clip_max, dtype):
     data = rollout(dtype, seed=3)
@@ -370,6 +384,16 @@ def test_settings_defaults_are_trls():
     assert LossSettings.from_config(trl_config(use_vllm=False)).vllm_importance_sampling_correction is False
     settings = LossSettings.from_config(trl_config(epsilon=0.1), num_processes=4, steps_per_generation=3)
     assert (settings.upper_epsilon, settings.num_processes, settings.steps_per_generation) == (0.1, 4, 3)
+
+
+def test_settings_from_the_recipe_config():
+    from grpo_config import RecipeConfig
+
+    recipe = RecipeConfig()
+    settings = LossSettings.from_config(recipe, num_processes=2)
+    assert (settings.loss_type, settings.epsilon, settings.beta, settings.steps_per_generation,
+            settings.max_completion_length, settings.num_processes) == (
+        recipe.loss_type, recipe.epsilon, recipe.beta, recipe.steps_per_generation, recipe.max_completion_length, 2)
 
 
 @pytest.mark.parametrize("field, value", [
