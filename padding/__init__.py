@@ -33,6 +33,7 @@ __all__ = [
     "legacy_slice_response",
     "packed_log_probs",
     "selective_log_softmax",
+    "token_entropy",
 ]
 
 
@@ -155,6 +156,18 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, chunk_siz
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
 
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy (nats, fp32, detached) of ``softmax(logits[k])`` for ``[T, V]`` logits, chunk by chunk like
+    :func:`selective_log_softmax`. Detached: it only selects tokens and feeds metrics, so no ``[T, V]``
+    activation is kept for the backward."""
+    out = []
+    for start in range(0, logits.shape[0], chunk_size):
+        log_probs = torch.log_softmax(logits[start : start + chunk_size].float(), dim=-1)
+        out.append(-(log_probs.exp() * log_probs).sum(-1))
+    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+
+
 def packed_log_probs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -162,7 +175,8 @@ def packed_log_probs(
     response_mask: torch.Tensor,
     temperature: float = 1.0,
     legacy_slice: bool = False,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Response-token log-probs ``[B, R]`` (fp32, 0 at padding) from one padding-free forward.
 
     ``model`` is any Hugging Face causal LM (or a peft/FSDP wrapper of one). The forward gets the packed
@@ -170,6 +184,9 @@ def packed_log_probs(
     builds the block-diagonal (per-sample) causal mask from ``position_ids`` only when no cache is used;
     with the default cache the samples attend to each other and the result is silently wrong.
     ``legacy_slice=True`` maps the values with :func:`legacy_slice_response` (the seed's bug).
+    ``return_entropy=True`` returns ``(log_probs, entropies)``: ``entropies`` ``[B, R]`` is the entropy of the
+    tempered next-token distribution at each response position (:func:`token_entropy`, detached, 0 at
+    padding), mapped by the same rule as the log-probs.
     """
     _response_layout(attention_mask, response_mask)  # fail before the forward on a bad layout
     packed = unpad(input_ids, attention_mask)
@@ -182,4 +199,7 @@ def packed_log_probs(
     targets = torch.roll(packed.input_ids, shifts=-1)
     values = selective_log_softmax(logits, targets)
     to_response = legacy_slice_response if legacy_slice else no_padding_2_padding
-    return to_response(values, attention_mask, response_mask)
+    log_probs = to_response(values, attention_mask, response_mask)
+    if not return_entropy:
+        return log_probs
+    return log_probs, to_response(token_entropy(logits), attention_mask, response_mask)

@@ -19,6 +19,7 @@ from padding import (
     packed_log_probs,
     pad,
     selective_log_softmax,
+    token_entropy,
     unpad,
 )
 
@@ -367,6 +368,46 @@ def test_packed_log_probs_equal_the_per_sequence_forward(attn, temperature, monk
             plain_ref = per_sequence_reference(model, ids, mask, response_mask, 1.0)
         assert (plain - plain_ref).abs().max().item() <= 1e-5
         assert (plain - got)[response_mask.bool()].abs().max().item() > 1e-3
+
+
+def per_sequence_entropy(model, ids, attention_mask, response_mask, temperature=1.0):
+    """Each sample alone, unpadded: Categorical(logits / t).entropy() at the positions predicting the response."""
+    width_p = ids.shape[1] - response_mask.shape[1]
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    for i in range(ids.shape[0]):
+        row = attention_mask[i].bool()
+        prompt_len, response_len = int(row[:width_p].sum()), int(response_mask[i].sum())
+        logits = model(input_ids=ids[i][row][None]).logits[0].float() / temperature
+        entropy = torch.distributions.Categorical(logits=logits).entropy()
+        out[i, :response_len] = entropy[prompt_len - 1 : prompt_len - 1 + response_len]
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_entropy_equals_the_per_sequence_categorical_entropy(temperature):
+    model = tiny_qwen3("sdpa")
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=5)
+    log_probs, entropies = packed_log_probs(model, ids, mask, response_mask, temperature, return_entropy=True)
+    with torch.no_grad():
+        want = per_sequence_entropy(model, ids, mask, response_mask, temperature)
+        plain = packed_log_probs(model, ids, mask, response_mask, temperature)
+    assert entropies.dtype == torch.float32 and entropies.shape == response_mask.shape
+    assert (entropies - want).abs().max().item() <= 1e-5
+    assert not entropies[~response_mask.bool()].any() and (entropies[response_mask.bool()] > 0).all()
+    assert torch.equal(log_probs.detach(), plain)  # the flag changes nothing about the log-probs
+    assert log_probs.requires_grad and not entropies.requires_grad  # entropy is detached: no [T, V] kept
+    if temperature != 1.0:  # the entropy is the tempered distribution's
+        assert (entropies - per_sequence_entropy(model, ids, mask, response_mask)).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1024])
+def test_token_entropy_chunks_equal_the_categorical_entropy(chunk_size):
+    logits = torch.randn(10, VOCAB, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4
+    want = torch.distributions.Categorical(logits=logits.float()).entropy()
+    got = token_entropy(logits, chunk_size=chunk_size)
+    assert got.dtype == torch.float32 and got.shape == (10,)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert token_entropy(logits[:0]).shape == (0,)
 
 
 def test_packed_log_probs_with_a_response_mask_narrower_than_the_attention_mask():
