@@ -38,7 +38,6 @@ adapter and with lora_B changed before every cycle (as training changes it betwe
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -229,8 +228,7 @@ def worker(args) -> None:
     part["wall_s"] = round(time.perf_counter() - start, 1)
     if rank == 0:
         Path(args.part_out).write_text(json.dumps(part))
-    del engine, consumers  # vLLM's shutdown tears down its process groups (ours too)
-    gc.collect()
+    engine.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 

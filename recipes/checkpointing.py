@@ -35,10 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from grpo_config import ConfigError
+
 CHECKPOINT_PREFIX = "checkpoint-"
 # Keys a resume may change: where things go, how long to run, how the rollout engine is set up.
 RESUMABLE_CHANGES = {"output_dir", "run_name", "max_steps", "save_steps", "save_total_limit",
-                     "resume_from_checkpoint", "model.build_tiny", "vllm"}
+                     "resume_from_checkpoint", "model.build_tiny", "eval_steps", "report_to", "vllm"}
 
 
 @contextlib.contextmanager
@@ -160,12 +162,12 @@ def resolve_checkpoint(value: str, run_dir: Path) -> Path:
     if value == "last":
         found = list_checkpoints(run_dir)
         if not found:
-            raise FileNotFoundError(f"resume_from_checkpoint=last, but {run_dir} holds no {CHECKPOINT_PREFIX}<N> folder")
+            raise ConfigError(f"resume_from_checkpoint=last, but {run_dir} holds no {CHECKPOINT_PREFIX}<N> folder")
         return found[-1]
     path = Path(value)
     missing = [f for f in ("trainer_state.json", "optimizer.pt", "adapter_model.safetensors") if not (path / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"resume_from_checkpoint={value!r} is not a complete checkpoint (missing {missing})")
+        raise ConfigError(f"resume_from_checkpoint={value!r} is not a complete checkpoint (missing {missing})")
     return path
 
 
@@ -184,16 +186,22 @@ def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
     return changes
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, config: dict, rank: int) -> dict:
-    """Restore adapter, optimizer, scheduler and this rank's RNG states; return the saved trainer state."""
+def check_resumable(path: Path, config: dict) -> None:
+    """Refuse a resume whose config differs from the checkpoint's beyond what a resume may change."""
     changes = config_changes(yaml.safe_load((path / "config.yaml").read_text()), config)
     if changes:
-        raise ValueError(f"resume_from_checkpoint={str(path)!r} was made with another config: {'; '.join(changes)}. "
-                         "Resume with the same settings (only output/run names, max_steps, save_* and vllm.* may change)")
+        raise ConfigError(f"resume_from_checkpoint={str(path)!r} was made with another config: {'; '.join(changes)}. "
+                          "Resume with the same settings (only output/run names, max_steps, save_*, eval_steps, "
+                          "report_to and vllm.* may change)")
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, config: dict, rank: int) -> dict:
+    """Restore adapter, optimizer, scheduler and this rank's RNG states; return the saved trainer state."""
+    check_resumable(path, config)
     saved = load_file(str(path / "adapter_model.safetensors"))
     names = adapter_param_names(model)
     if set(saved) != set(names):
-        raise ValueError(f"{path}: the saved adapter does not fit this model (differing tensors: "
+        raise ConfigError(f"{path}: the saved adapter does not fit this model (differing tensors: "
                          f"{sorted(set(saved) ^ set(names))[:3]})")
     adapter = {names[key]: tensor for key, tensor in saved.items()}
     set_model_state_dict(model, adapter, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from grpo_loss import check_supported as check_supported_loss
+
 
 class ConfigError(ValueError):
     """A recipe config or override is invalid; the message names the key and what is allowed."""
@@ -47,6 +49,8 @@ class DataSettings:
     system_prompt: str | None = None
     use_chat_template: bool = True
     max_prompt_length: int = 256  # tokens; longer prompts are dropped with a counted warning
+    eval_split: str | None = "test"  # held-out split for eval_steps ("generated": other problems than training's)
+    num_eval: int = 256  # held-out problems per evaluation (at most)
 
 
 @dataclass
@@ -111,13 +115,27 @@ class RecipeConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    beta: float = 0.0  # KL to the reference (the base, adapter disabled); 0 = no reference forward
+    # --- the loss (recipes/grpo_loss.py: TRL 1.16's GRPOTrainer._compute_loss, same names, defaults, meaning) ---
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
     epsilon: float = 0.2
-    epsilon_high: float | None = None
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo
+    epsilon_high: float | None = None  # None: epsilon
+    delta: float | None = None  # two-sided clipping: the unclipped ratio is capped at delta (> 1 + epsilon_high)
+    beta: float = 0.0  # k3 KL to the reference (the base, adapter disabled); 0 = no reference forward
+    use_bias_correction_kl: bool = True  # the KL term times the policy ratio (TRL's default)
+    top_entropy_quantile: float = 1.0  # < 1: only this top fraction of tokens by entropy gets a policy gradient
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    # trainer-over-vLLM probability of the sampled tokens weighs the loss (corrects the engine/trainer mismatch)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"  # {token,sequence}_{truncate,mask}
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False
     save_steps: int = 50  # checkpoint when global_step passes a multiple of this (and at the end)
+    eval_steps: int | None = None  # evaluate on held-out problems before training, every N optimizer steps, at the end
+    report_to: list[str] = field(default_factory=lambda: ["none"])  # trackers: none | all | tensorboard | wandb | ...
     save_total_limit: int | None = 2  # keep the newest N checkpoints (None: all)
     resume_from_checkpoint: str | None = None  # a checkpoint-<N> folder, or "last" (alias: resume_from)
     # GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: f(completions, **columns) -> list[float])
@@ -140,34 +158,24 @@ class RecipeConfig:
         return MAX_LOGPROB_DIFF[self.model.dtype]
 
     def validate(self) -> None:
-        choices = {
-            "model.dtype": (self.model.dtype, ("float32", "bfloat16")),
-            "model.build_tiny": (self.model.build_tiny, (None, "tiny", "small")),
-            "lr_scheduler_type": (self.lr_scheduler_type, ("constant", "linear", "cosine")),
-            "loss_type": (self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo")),
-            "scale_rewards": (self.scale_rewards, ("group", "batch", "none")),
-            "lora.bias": (self.lora.bias, ("none",)),
-        }
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
-        positive = ["max_steps", "per_device_train_batch_size", "steps_per_generation", "num_iterations",
-                    "max_completion_length", "save_steps"]
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}={getattr(self, key)!r} must be >= 1")
-        if self.num_generations < 2:
-            raise ConfigError(f"num_generations={self.num_generations} must be >= 2 (GRPO normalizes within a group)")
+        """Every field's range (`RANGES`, `CHOICES`), then the rules that tie fields together."""
+        for key, (check, allowed) in RANGES.items():
+            value = _get(self, key)
+            if value is not None and not check(value):
+                raise ConfigError(f"{key}={value!r} is out of range: it must be {allowed}")
+        for key, allowed in CHOICES.items():
+            if _get(self, key) not in allowed:
+                raise ConfigError(f"{key}={_get(self, key)!r} is not allowed; choose one of {list(allowed)}")
         rollout = self.per_device_train_batch_size * self.steps_per_generation
         if rollout % self.num_generations:
             raise ConfigError(
                 f"per_device_train_batch_size * steps_per_generation = {rollout} completions per rank must be a "
                 f"multiple of num_generations={self.num_generations} (whole groups per rank)"
             )
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0 (log-probs are of the tempered policy)")
-        if self.lora.r < 1:
-            raise ConfigError(f"lora.r={self.lora.r} must be >= 1")
+        try:
+            check_supported_loss(self)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.lora.use_dora:
             raise ConfigError("lora.use_dora=True is not supported: merge/ (lora.merge=true) and vLLM's LoRA "
                               "(lora.merge=false) both serve plain LoRA only")
@@ -179,14 +187,92 @@ class RecipeConfig:
             if self.lora.modules_to_save:
                 raise ConfigError(f"lora.merge=false: vLLM's LoRA cannot serve lora.modules_to_save="
                                   f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or null (keep all)")
-        if self.vllm.kv_cache_gb <= 0:
-            raise ConfigError(f"vllm.kv_cache_gb={self.vllm.kv_cache_gb} must be > 0")
-        if not 0 < self.vllm.gpu_memory_utilization <= 1:
-            raise ConfigError(f"vllm.gpu_memory_utilization={self.vllm.gpu_memory_utilization} must be in (0, 1]")
-        if not self.reward_funcs:
-            raise ConfigError("reward_funcs is empty; name at least one 'module:function'")
+
+
+def _get(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _at_least(low):
+    return lambda v: v >= low
+
+
+def _above(low):
+    return lambda v: v > low
+
+
+def _between(low, high):  # low <= v <= high
+    return lambda v: low <= v <= high
+
+
+# The range of every numeric or free-form field (None passes where the type allows it); bools and lists of names
+# are checked by type, the fields with a fixed set of values by CHOICES, the loss's by grpo_loss.check_supported.
+RANGES = {
+    "output_dir": (bool, "a non-empty path"),
+    "run_name": (lambda v: bool(v) and "/" not in v, "a non-empty name without '/'"),
+    "seed": (_at_least(0), ">= 0"),
+    "max_steps": (_at_least(1), ">= 1"),
+    "learning_rate": (_above(0), "> 0"),
+    "warmup_steps": (_at_least(0), ">= 0"),
+    "weight_decay": (_at_least(0), ">= 0"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max_grad_norm": (_above(0), "> 0"),
+    "per_device_train_batch_size": (_at_least(1), ">= 1"),
+    "steps_per_generation": (_at_least(1), ">= 1"),
+    "num_iterations": (_at_least(1), ">= 1"),
+    "num_generations": (_at_least(2), ">= 2 (GRPO normalizes within a group)"),
+    "max_completion_length": (_at_least(1), ">= 1"),
+    "temperature": (_above(0), "> 0 (log-probs are of the tempered policy)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (_at_least(0), ">= 0 (0: off)"),
+    "epsilon": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "epsilon_high": (_above(0), "> 0"),
+    "delta": (_above(0), "> 0"),
+    "beta": (_at_least(0), ">= 0"),
+    "top_entropy_quantile": (_between(0, 1), "in [0, 1]"),
+    "sapo_temperature_pos": (_above(0), "> 0"),
+    "sapo_temperature_neg": (_above(0), "> 0"),
+    "vllm_importance_sampling_clip_max": (_above(0), "> 0"),
+    "vllm_importance_sampling_clip_min": (_at_least(0), ">= 0"),
+    "save_steps": (_at_least(1), ">= 1"),
+    "save_total_limit": (_at_least(1), ">= 1 or null (keep all)"),
+    "eval_steps": (_at_least(1), ">= 1 or null (no evaluation)"),
+    "resume_from_checkpoint": (bool, "a checkpoint folder or 'last'"),
+    "reward_funcs": (lambda v: bool(v) and all(":" in f for f in v), "a non-empty list of 'module:function'"),
+    "report_to": (bool, "a non-empty list (['none'] for no tracker)"),
+    "model.name_or_path": (bool, "a hub id or a local path"),
+    "model.build_seed": (_at_least(0), ">= 0"),
+    "data.name": (bool, "a hub id, a local path or 'generated'"),
+    "data.config_name": (bool, "a dataset config name or null"),
+    "data.split": (bool, "a split name"),
+    "data.num_generated": (_at_least(1), ">= 1"),
+    "data.prompt_template": (bool, "a non-empty format string, e.g. '{question}'"),
+    "data.system_prompt": (bool, "a non-empty text or null"),
+    "data.max_prompt_length": (_at_least(1), ">= 1"),
+    "data.eval_split": (bool, "a split name or null"),
+    "data.num_eval": (_at_least(1), ">= 1"),
+    "lora.r": (_at_least(1), ">= 1"),
+    "lora.lora_alpha": (_above(0), "> 0"),
+    "lora.lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "lora.target_modules": (bool, "a non-empty list of module names"),
+    "lora.modules_to_save": (bool, "a non-empty list of module names or null"),
+    "vllm.kv_cache_gb": (_above(0), "> 0"),
+    "vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "vllm.max_num_seqs": (_at_least(1), ">= 1"),
+    "vllm.max_lora_rank": (lambda v: v in VLLM_LORA_RANKS, f"one of vLLM's {list(VLLM_LORA_RANKS)}"),
+    "vllm.max_logprob_diff": (_above(0), "> 0"),
+}
+CHOICES = {
+    "lr_scheduler_type": ("constant", "linear", "cosine"),
+    "scale_rewards": ("group", "batch", "none"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "model.build_tiny": (None, "tiny", "small"),
+    "lora.bias": ("none",),
+}
 
 
 def _type_name(tp) -> str:

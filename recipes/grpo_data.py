@@ -55,12 +55,13 @@ def check_reward_columns(cfg: RecipeConfig, reward_funcs: list, problems: list[d
                           f"{cfg.reward_funcs} need; it has {sorted(problems[0])}")
 
 
-def load_problems(cfg: RecipeConfig) -> list[dict]:
-    """The dataset's rows as dicts: the generated problems, a local file/folder, or a hub dataset."""
+def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
+    """The rows of data.split (or ``split``) as dicts: the generated problems, a local file/folder, or a hub dataset."""
+    split = split or cfg.data.split
     if cfg.data.name == "generated":
         from tiny_gsm8k import make_problems
 
-        return make_problems(cfg.data.num_generated, seed=cfg.seed)
+        return make_problems(cfg.data.num_generated, seed=cfg.seed if split == cfg.data.split else cfg.seed + 1)
     from datasets import load_dataset
 
     local = Path(cfg.data.name)
@@ -68,17 +69,31 @@ def load_problems(cfg: RecipeConfig) -> list[dict]:
         if local.exists():
             suffix = local.suffix.lstrip(".")
             if local.is_file() and suffix in ("json", "jsonl", "csv", "parquet"):
-                data = load_dataset("json" if suffix == "jsonl" else suffix, data_files=str(local), split=cfg.data.split)
+                data = load_dataset("json" if suffix == "jsonl" else suffix, data_files=str(local), split=split)
             else:
-                data = load_dataset(str(local), cfg.data.config_name, split=cfg.data.split)
+                data = load_dataset(str(local), cfg.data.config_name, split=split)
         else:
-            data = load_dataset(cfg.data.name, cfg.data.config_name, split=cfg.data.split)
+            data = load_dataset(cfg.data.name, cfg.data.config_name, split=split)
     except Exception as err:  # datasets raises many types; name the bad value either way
-        raise ConfigError(f"data.name={cfg.data.name!r} (split {cfg.data.split!r}) cannot be loaded: {err}") from err
+        raise ConfigError(f"data.name={cfg.data.name!r} (split {split!r}) cannot be loaded: {err}") from err
     return [dict(row) for row in data]
 
 
-def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict]) -> list[dict]:
+def held_out_problems(cfg: RecipeConfig, tokenizer, train: list[dict]) -> list[dict]:
+    """Up to data.num_eval tokenized rows of data.eval_split that are not training prompts (for eval_steps)."""
+    if cfg.eval_steps is None:
+        return []
+    if cfg.data.eval_split is None:
+        raise ConfigError("eval_steps is set but data.eval_split is null: name a held-out split")
+    seen = {row["prompt"] for row in train}
+    rows = tokenize_prompts(cfg, tokenizer, load_problems(cfg, split=cfg.data.eval_split), what="held-out prompt")
+    held_out = [row for row in rows if row["prompt"] not in seen][: cfg.data.num_eval]
+    if not held_out:
+        raise ConfigError(f"data.eval_split={cfg.data.eval_split!r} has no prompt that is not also a training prompt")
+    return held_out
+
+
+def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict], what: str = "prompt") -> list[dict]:
     """Add `prompt` (text) and `prompt_ids`; drop empty or over-long prompts with a counted warning."""
     kept, empty, too_long = [], 0, 0
     for row in problems:
@@ -101,8 +116,8 @@ def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict]) -> list
         else:
             kept.append({**row, "prompt": text, "prompt_ids": ids})
     if empty or too_long:
-        log.warning("dropped %d empty and %d prompts longer than data.max_prompt_length=%d tokens (of %d)",
-                    empty, too_long, cfg.data.max_prompt_length, len(problems))
+        log.warning("dropped %d empty and %d %ss longer than data.max_prompt_length=%d tokens (of %d)",
+                    empty, too_long, what, cfg.data.max_prompt_length, len(problems))
     if not kept:
         raise ConfigError(f"no usable prompt in data.name={cfg.data.name!r} (all empty or too long)")
     return kept

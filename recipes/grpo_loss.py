@@ -114,10 +114,10 @@ def reduce_op(stat_name: str) -> str:
 
 
 def accumulate_stats(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``total`` combined with ``stats`` name by name (:func:`reduce_op`); ``total`` may be empty."""
+    """``total`` combined with ``stats`` name by name (:func:`reduce_op`); names in only one of them are kept."""
     combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
-    return {name: combine[reduce_op(name)](total[name], value) if name in total else value
-            for name, value in stats.items()}
+    return {**total, **{name: combine[reduce_op(name)](total[name], value) if name in total else value
+                        for name, value in stats.items()}}
 
 
 def _entries(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

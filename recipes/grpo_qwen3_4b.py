@@ -29,7 +29,6 @@ loss), `rollout_engine` (vLLM), `parallel` (processes, FSDP2), `checkpointing`.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import logging
@@ -53,17 +52,19 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from checkpointing import (checkpoint_path, list_checkpoints, load_checkpoint, resolve_checkpoint, save_adapter,
-                           save_checkpoint)
+from checkpointing import (check_resumable, checkpoint_path, list_checkpoints, load_checkpoint, resolve_checkpoint,
+                           save_adapter, save_checkpoint)
 from grpo_config import ConfigError, RecipeConfig, config_to_dict, load_config
-from grpo_data import (check_reward_columns, group_advantages, load_problems, load_reward_funcs, make_batch, score,
-                       select, tokenize_prompts)
-from grpo_loss import grpo_loss
+from grpo_data import (check_reward_columns, group_advantages, held_out_problems, load_problems, load_reward_funcs,
+                       make_batch, score, select, tokenize_prompts)
+from grpo_loss import (LossSettings, accumulate_stats, grpo_loss, high_entropy_mask, reduce_op,
+                       vllm_importance_sampling_ratio)
 from memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
 from padding import packed_log_probs
 from parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_shared_output_dir, fsdp_settings, init_distributed,
                       reduce_across_ranks)
 from rollout_engine import RolloutEngine, check_vllm_lora_targets, engine_kwargs
+from trackers import Trackers, check_report_to
 
 log = logging.getLogger("grpo")
 
@@ -84,6 +85,9 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: RolloutEngine
+    trackers: Trackers
+    eval_problems: list[dict]
+    loss_settings: LossSettings
     compute_dtype: torch.dtype  # of the forward passes; the LoRA weights and the optimizer stay fp32
     num_rollout_steps: int
     resumed_rollout_step: int  # 0 for a fresh run
@@ -114,10 +118,17 @@ def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rol
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         metrics_file = run_dir / "metrics.jsonl"
         earlier = metrics_file.read_text().splitlines() if resume and metrics_file.exists() else []
-        # a resumed run keeps the rollout steps up to its checkpoint and redoes the rest
-        metrics_file.write_text("".join(line + "\n" for line in earlier
-                                        if json.loads(line)["rollout_step"] <= resumed_rollout_step))
+        # a resumed run keeps the rollout steps up to its checkpoint and redoes the rest (evaluations from the
+        # checkpoint's weights on, too: they come again after the first sync)
+        metrics_file.write_text("".join(line + "\n" for line in earlier if keep_on_resume(json.loads(line),
+                                                                                        resumed_rollout_step)))
     return run_dir
+
+
+def keep_on_resume(line: dict, resumed_rollout_step: int) -> bool:
+    if any(key.startswith("eval_") for key in line):
+        return line["rollout_step"] < resumed_rollout_step
+    return line["rollout_step"] <= resumed_rollout_step
 
 
 def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
@@ -202,7 +213,10 @@ def setup(cfg: RecipeConfig) -> Run:
     if resume is None and earlier_checkpoints:
         raise ConfigError(f"{run_dir} already holds {earlier_checkpoints[-1].name} from an earlier run: continue "
                           "it with resume_from_checkpoint=last, or choose another run_name or output_dir")
+    if resume:
+        check_resumable(resume, config_to_dict(cfg))
     resumed = json.loads((resume / "trainer_state.json").read_text())["rollout_step"] if resume else 0
+    trackers = check_report_to(cfg.report_to)
     run_dir = start_run_dir(cfg, rank, resume, resumed)
     check_shared_output_dir(run_dir, rank, world)
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
@@ -217,6 +231,7 @@ def setup(cfg: RecipeConfig) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     problems = tokenize_prompts(cfg, tokenizer, problems)
     random.Random(cfg.seed).shuffle(problems)
+    eval_problems = held_out_problems(cfg, tokenizer, problems)
 
     model, compute_dtype = build_policy(cfg, device, world, fsdp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
@@ -233,7 +248,9 @@ def setup(cfg: RecipeConfig) -> Run:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Run(cfg=cfg, rank=rank, world=world, device=device, run_dir=run_dir, problems=problems,
                reward_funcs=reward_funcs, pad_id=pad_id, model=model, optimizer=optimizer, scheduler=scheduler,
-               engine=engine, compute_dtype=compute_dtype, num_rollout_steps=num_rollout_steps, resumed_rollout_step=resumed,
+               engine=engine, eval_problems=eval_problems,
+               trackers=Trackers(trackers, cfg.run_name, run_dir / "runs", config_to_dict(cfg), rank), loss_settings=LossSettings.from_config(cfg, num_processes=world),
+               compute_dtype=compute_dtype, num_rollout_steps=num_rollout_steps, resumed_rollout_step=resumed,
                last_checkpoint=resume)
 
 
@@ -332,6 +349,15 @@ def rewards_and_advantages(run: Run, rows, samples, rollout_step: int):
     return rewards, group_advantages(rewards, run.cfg.num_generations, run.cfg.scale_rewards)
 
 
+def training_batch(run: Run, samples, advantages: torch.Tensor) -> dict:
+    """The padded batch of this rank's completions with their advantages; truncated ones masked out if asked."""
+    batch = make_batch(samples, run.pad_id, run.device)
+    batch["advantages"] = advantages.to(run.device)
+    if run.cfg.mask_truncated_completions:
+        batch["response_mask"] = batch["response_mask"] * (~batch["truncated"])[:, None]
+    return batch
+
+
 def mini_batches(run: Run, batch: dict) -> list[slice]:
     size, count = run.cfg.per_device_train_batch_size, batch["input_ids"].shape[0]
     return [slice(i, i + size) for i in range(0, count, size)]
@@ -355,85 +381,179 @@ def old_log_probs(run: Run, batch: dict) -> None:
     batch["old_logprobs"], batch["ref_logprobs"] = old, ref
 
 
+def importance_sampling(run: Run, batch: dict) -> dict:
+    """TRL's vLLM importance-sampling weights ([N, R], or [N, 1] per sequence) into ``batch``; returns their stats."""
+    cfg = run.cfg
+    if not run.loss_settings.vllm_importance_sampling_correction:
+        return {}
+    ratio, stats = vllm_importance_sampling_ratio(
+        batch["old_logprobs"], batch["vllm_logprobs"], batch["response_mask"], cfg.vllm_importance_sampling_mode,
+        cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
+    batch["importance_sampling_ratio"] = ratio
+    return {k: v for k, v in stats.items() if k.startswith("vllm_ratio")}
+
+
+def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D ``values``, concatenated (lengths may differ); the entropy quantile pools them, as TRL."""
+    if not torch.distributed.is_initialized():
+        return values
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, values.cpu())
+    return torch.cat(everyone).to(values.device)
+
+
+def mini_batch_loss(run: Run, sub: dict, num_items_in_batch: float):
+    """The GRPO loss of one mini-batch (forward included) -> (loss, stats of grpo_loss)."""
+    cfg, settings = run.cfg, run.loss_settings
+    entropy_mask, args = None, (sub["input_ids"], sub["attention_mask"], sub["response_mask"], cfg.temperature)
+    with run.autocast():
+        if settings.top_entropy_quantile < 1.0:
+            logps, entropies = packed_log_probs(run.model, *args, cfg.padding.legacy_slice, return_entropy=True)
+            entropy_mask = high_entropy_mask(entropies, sub["response_mask"], settings.top_entropy_quantile,
+                                             gather=gather_across_ranks)
+        else:
+            logps = packed_log_probs(run.model, *args, legacy_slice=cfg.padding.legacy_slice)
+    return grpo_loss(logps, sub["old_logprobs"], sub["advantages"], sub["response_mask"], settings,
+                     ref_per_token_logps=sub["ref_logprobs"] if settings.beta != 0.0 else None,
+                     importance_sampling_ratio=sub.get("importance_sampling_ratio"), entropy_mask=entropy_mask,
+                     num_items_in_batch=num_items_in_batch if settings.loss_type in ("dapo", "cispo") else None)
+
+
 def update(run: Run, batch: dict, rollout_step: int) -> dict:
     """5. num_iterations passes of steps_per_generation optimizer steps over the rollout's mini-batches.
 
-    Returns the statistics to reduce across ranks: {"sums": {...}, "mins": {...}, "maxs": {...}}.
+    Returns the statistics of all mini-batches, by name (sums, counts, `*_min`, `*_max`: `grpo_loss.reduce_op`),
+    with `onpolicy_*` for the first mini-batch of the first pass: the only one whose weights are the rollout's.
     """
     cfg, model = run.cfg, run.model
     chunks = mini_batches(run, batch)
-    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-    tokens_per_mini_batch = max(1.0, batch["response_mask"].sum().item() / len(chunks))
-    sums = dict(ratio_sum=0.0, clipped=0.0, tokens=0.0, loss=0.0)
-    mins, maxs = dict(ratio_min=math.inf), dict(ratio_max=-math.inf)
+    # dapo/cispo weigh every completion token of the rollout (all ranks) the same, as TRL's num_items_in_batch
+    num_items_in_batch = reduce_across_ranks(sums={"tokens": batch["response_mask"].sum().item()})["tokens"]
+    totals = importance_sampling(run, batch)
+    totals = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in totals.items()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.train()
     bar = tqdm(total=run.updates_per_rollout, desc=f"update {rollout_step}", disable=run.rank != 0, leave=False)
     for iteration in range(cfg.num_iterations):
         for k, rows in enumerate(chunks):
-            sub = select(batch, rows)
-            with run.autocast():
-                logps = packed_log_probs(model, sub["input_ids"], sub["attention_mask"], sub["response_mask"],
-                                         cfg.temperature, legacy_slice=cfg.padding.legacy_slice)
-            loss, ratio, stats = grpo_loss(
-                logps, sub["old_logprobs"], sub["advantages"], sub["response_mask"], loss_type=cfg.loss_type,
-                epsilon_low=cfg.epsilon, epsilon_high=eps_high, beta=cfg.beta, ref_per_token_logps=sub["ref_logprobs"],
-                max_completion_length=cfg.max_completion_length, tokens_per_mini_batch=tokens_per_mini_batch)
+            loss, stats = mini_batch_loss(run, select(batch, rows), num_items_in_batch)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             stop_if_nonfinite(f"rollout step {rollout_step}, iteration {iteration + 1}, mini-batch {k + 1}",
-                              dict(loss=loss, ratio=ratio[sub["response_mask"].bool()], grad_norm=grad_norm),
-                              run.last_checkpoint)
+                              dict(loss=loss, ratio=stats["ratio_sum"], grad_norm=grad_norm), run.last_checkpoint)
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
-            for name in ("ratio_sum", "clipped", "tokens"):
-                sums[name] += stats[name].item()
-            sums["loss"] += loss.item()
-            mins["ratio_min"] = min(mins["ratio_min"], stats["ratio_min"].item())
-            maxs["ratio_max"] = max(maxs["ratio_max"], stats["ratio_max"].item())
+            stats = {**stats, "loss_sum": loss.detach().double(), "mini_batches": torch.tensor(1.0, dtype=torch.float64)}
+            if iteration == 0 and k == 0:
+                stats.update(onpolicy_ratio_sum=stats["ratio_sum"], onpolicy_ratio_count=stats["ratio_count"],
+                             onpolicy_ratio_min=stats["ratio_min"], onpolicy_ratio_max=stats["ratio_max"])
+            totals = accumulate_stats(totals, stats)
             bar.update(1)
     bar.close()
-    sums["loss"] /= run.updates_per_rollout
-    return dict(sums=sums, mins=mins, maxs=maxs)
+    return {name: value.item() for name, value in totals.items()}
 
 
 def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, update_stats: dict, t_step: float) -> dict:
     """6. Reduce this rollout step's statistics across ranks by name, append them to metrics.jsonl (rank 0)."""
     mask = batch["response_mask"].bool()
     diff = (batch["vllm_logprobs"] - batch["old_logprobs"]).abs()[mask]
-    sums = dict(reward_sum=rewards.nansum().item(), reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
-                samples=len(rewards), logprob_diff_sum=diff.sum().item(), logprob_diff_count=diff.numel(),
-                rollout_tokens=phases["rollout_tokens"], **update_stats["sums"])
-    if "sync_changed_trainer" in phases:
-        sums["sync_changed_trainer"] = phases["sync_changed_trainer"]
-    maxs = dict(logprob_diff_max=diff.max().item() if diff.numel() else 0.0, rollout_s=phases["rollout_s"],
-                sync_s=phases["sync_s"], update_s=phases["update_s"], peak_mem_gb=peak_mem_gb(run.device),
-                **update_stats["maxs"])
-    total = reduce_across_ranks(sums=sums, mins=update_stats["mins"], maxs=maxs)
-    n, tokens = total["samples"], max(1, total["tokens"])
+    local = dict(reward_sum=rewards.nansum().item(), reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
+                 samples=len(rewards), logprob_diff_sum=diff.sum().item(), logprob_diff_count=diff.numel(),
+                 logprob_diff_max=diff.max().item() if diff.numel() else 0.0, **phases, **update_stats)
+    kinds = {"sums": {}, "mins": {}, "maxs": {}}
+    for name, value in local.items():
+        op = "max" if name.endswith(("_s", "_max")) else reduce_op(name)  # phase times: the slowest rank's
+        kinds[op + "s"][name] = value
+    kinds["maxs"]["peak_mem_gb"] = peak_mem_gb(run.device)
+    total = reduce_across_ranks(**kinds)
+    metrics = step_metrics(run, rollout_step, total)
+    metrics["step_s"] = time.perf_counter() - t_step
+    write_metrics(run, metrics)
+    if run.rank == 0:
+        log.info("rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
+                 "|vllm-trainer| %.2e tok/s %.0f sync %.2fs", rollout_step, run.num_rollout_steps,
+                 metrics["global_step"], metrics["reward_mean"], metrics["ratio_mean"], metrics["ratio_min"],
+                 metrics["ratio_max"], metrics["ratio_onpolicy_maxdev"], metrics["rollout_logprob_diff_mean"],
+                 metrics["rollout_tokens_per_s"], metrics["sync_s"])
+    return metrics
+
+
+def step_metrics(run: Run, rollout_step: int, total: dict) -> dict:
+    """The metrics.jsonl line of a rollout step, from its statistics summed (min-ed, max-ed) over ranks."""
+    n, ratios = total["samples"], max(1.0, total["ratio_count"])
     reward_mean = total["reward_sum"] / n
     metrics = dict(
         rollout_step=rollout_step, global_step=rollout_step * run.updates_per_rollout, merge=run.cfg.lora.merge,
         legacy_slice=run.cfg.padding.legacy_slice, reward_mean=reward_mean,
         reward_std=math.sqrt(max(0.0, total["reward_sq_sum"] / n - reward_mean**2)),
-        ratio_mean=total["ratio_sum"] / tokens, ratio_min=total["ratio_min"], ratio_max=total["ratio_max"],
-        clip_frac=total["clipped"] / tokens,
+        ratio_mean=total["ratio_sum"] / ratios, ratio_min=total["ratio_min"], ratio_max=total["ratio_max"],
+        ratio_onpolicy_mean=total["onpolicy_ratio_sum"] / max(1.0, total["onpolicy_ratio_count"]),
+        ratio_onpolicy_maxdev=max(abs(total["onpolicy_ratio_max"] - 1), abs(1 - total["onpolicy_ratio_min"])),
         rollout_logprob_diff_mean=total["logprob_diff_sum"] / max(1, total["logprob_diff_count"]),
         rollout_logprob_diff_max=total["logprob_diff_max"], rollout_tokens=int(total["rollout_tokens"]),
         rollout_s=total["rollout_s"], rollout_tokens_per_s=total["rollout_tokens"] / total["rollout_s"],
-        sync_s=total["sync_s"], update_s=total["update_s"], step_s=time.perf_counter() - t_step,
-        peak_mem_gb=total["peak_mem_gb"], loss=total["loss"] / run.world, lr=run.scheduler.get_last_lr()[0],
+        sync_s=total["sync_s"], update_s=total["update_s"], peak_mem_gb=total["peak_mem_gb"],
+        loss=total["loss_sum"] / total["mini_batches"], lr=run.scheduler.get_last_lr()[0],
     )
+    if "clip_region" in total:
+        metrics.update(clip_frac=total["clip_region"] / ratios, clip_low_frac=total["clip_low"] / ratios,
+                       clip_high_frac=total["clip_high"] / ratios)
+    if "kl_sum" in total:
+        metrics["kl"] = total["kl_sum"] / max(1.0, total["tokens"])
+    if "vllm_ratio_sum" in total:
+        metrics.update(is_ratio_mean=total["vllm_ratio_sum"] / max(1.0, total["vllm_ratio_count"]),
+                       is_ratio_min=total["vllm_ratio_min"], is_ratio_max=total["vllm_ratio_max"])
     if "sync_changed_trainer" in total:
         metrics["sync_changed_trainer"] = int(total["sync_changed_trainer"])
+    return metrics
+
+
+def write_metrics(run: Run, metrics: dict) -> None:
+    """Append one line to metrics.jsonl (the plots' source of truth) and hand it to the trackers (rank 0)."""
     if run.rank == 0:
         with open(run.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        log.info("rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] |vllm-trainer| %.2e "
-                 "tok/s %.0f sync %.2fs", rollout_step, run.num_rollout_steps, metrics["global_step"],
-                 metrics["reward_mean"], metrics["ratio_mean"], metrics["ratio_min"], metrics["ratio_max"],
-                 metrics["rollout_logprob_diff_mean"], metrics["rollout_tokens_per_s"], metrics["sync_s"])
+        run.trackers.log(metrics, step=metrics["global_step"])
+
+
+def eval_due(run: Run, rollout_steps_done: int) -> bool:
+    """Evaluate before training, when eval_steps optimizer steps have passed, and at the end (if eval_steps is set)."""
+    if run.cfg.eval_steps is None:
+        return False
+    after, before = rollout_steps_done * run.updates_per_rollout, (rollout_steps_done - 1) * run.updates_per_rollout
+    return (rollout_steps_done == 0 or after // run.cfg.eval_steps > before // run.cfg.eval_steps
+            or rollout_steps_done == run.num_rollout_steps)
+
+
+def evaluate(run: Run, rollout_steps_done: int, lora_request) -> dict:
+    """Mean held-out reward (the accuracy, for a 0/1 reward), greedy and at the training temperature.
+
+    The engine generates on the weights it serves now; each rank scores its share of the held-out problems.
+    """
+    from vllm import SamplingParams
+
+    cfg = run.cfg
+    rows = run.eval_problems[run.rank :: run.world]
+    modes = {"greedy": SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length),
+             "sampled": SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                       top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_completion_length)}
+    sums = {"problems": len(rows)}
+    for mode, sampling in modes.items():
+        samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling, lora_request) if rows else []
+        rewards = score(run.reward_funcs, rows, samples)[0] if rows else torch.zeros(0)
+        sums[f"{mode}_reward_sum"] = rewards.nansum().item()
+        sums[f"{mode}_tokens"] = sum(len(s.completion_ids) for s in samples)
+    total = reduce_across_ranks(sums=sums)
+    n = max(1.0, total["problems"])
+    metrics = dict(rollout_step=rollout_steps_done, global_step=rollout_steps_done * run.updates_per_rollout,
+                   eval_problems=int(total["problems"]), eval_reward_greedy=total["greedy_reward_sum"] / n,
+                   eval_reward_sampled=total["sampled_reward_sum"] / n,
+                   eval_completion_tokens_greedy=total["greedy_tokens"] / n)
+    write_metrics(run, metrics)
+    log.info("eval after rollout step %d (optimizer step %d): held-out reward greedy %.3f, sampled %.3f (%d problems)",
+             rollout_steps_done, metrics["global_step"], metrics["eval_reward_greedy"], metrics["eval_reward_sampled"],
+             metrics["eval_problems"])
     return metrics
 
 
@@ -478,8 +598,8 @@ def finish(run: Run, rollout_step: int, signum: int) -> None:
     else:
         save_adapter(run.model, run.run_dir / "adapter", run.rank)
         log.info("done: adapter in %s, metrics in %s", run.run_dir / "adapter", run.run_dir / "metrics.jsonl")
-    del run.engine  # vLLM's shutdown tears down its process groups; it must run before ours is destroyed
-    gc.collect()
+    run.trackers.finish()
+    run.engine.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -490,14 +610,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="recipe YAML (see recipes/configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. lora.merge=false learning_rate=2e-5")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    run = setup(cfg)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        run = setup(cfg)
+    except ConfigError as err:  # a bad config or input: one line, from one process, no traceback
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     stop = StopRequest()  # after vLLM is built, so that these handlers are the ones in force
 
     signum, rollout_step = 0, run.resumed_rollout_step
     for rollout_step in range(run.resumed_rollout_step + 1, run.num_rollout_steps + 1):
         t_step = time.perf_counter()
         lora_request, phases = sync_weights(run, rollout_step)
+        if eval_due(run, rollout_step - 1):  # the weights after the previous rollout step, as the engine serves them
+            evaluate(run, rollout_step - 1, lora_request)
         rows, samples, rollout_metrics = rollout(run, rollout_step, lora_request)
         phases.update(rollout_metrics)
         signum = stop.agreed()
@@ -508,10 +635,7 @@ def main(argv: list[str] | None = None) -> None:
 
         rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
         t0 = time.perf_counter()
-        batch = make_batch(samples, run.pad_id, run.device)
-        batch["advantages"] = advantages.to(run.device)
-        if cfg.mask_truncated_completions:
-            batch["response_mask"] = batch["response_mask"] * (~batch["truncated"])[:, None]
+        batch = training_batch(run, samples, advantages)
         old_log_probs(run, batch)
         update_stats = update(run, batch, rollout_step)
         phases["update_s"] = time.perf_counter() - t0
@@ -523,6 +647,8 @@ def main(argv: list[str] | None = None) -> None:
             save(run, rollout_step)
         if signum:
             break
+    if not signum and eval_due(run, rollout_step) and rollout_step > run.resumed_rollout_step:
+        evaluate(run, rollout_step, sync_weights(run, rollout_step + 1)[0])  # the final weights
     finish(run, rollout_step, signum)
     if signum:
         sys.exit(128 + signum)

@@ -16,6 +16,8 @@ so ``model.load_weights`` (TRL's colocate path) fails there.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
 
@@ -37,6 +39,65 @@ class Sample:
     logprobs: list[float]  # log-prob of each sampled token under the (tempered) sampling distribution
     truncated: bool  # stopped by max_tokens rather than by EOS
     prompt_index: int  # index into the prompt list given to `generate`
+
+
+class WeightPushError(RuntimeError):
+    """vLLM's modules did not all receive a tensor in a weight push; the engine would serve stale weights."""
+
+
+# vLLM's in-place reload reports, in its log, each layer that got no tensor ("<Class>: Failed to load weights",
+# falling back to the layer's old weights), got only part of them ("<Class>: Delayed processing", at debug level)
+# and each parameter never loaded ("Following weights were not loaded from checkpoint: {...}").
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+# Embeddings are padded to a multiple of 64 rows (vLLM's vocab padding), which no checkpoint fills.
+_PADDED_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}
+
+
+class _PushAudit(logging.Filter):
+    """Collects vLLM's account of one reload from its log records; the records themselves stay quiet."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty, self.partial, self.not_loaded = set(), set(), set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.endswith(": Failed to load weights"):
+            self.empty.add(record.args[0])
+        elif message.endswith(": Delayed processing"):
+            self.partial.add(record.args[0])
+        elif message.startswith("Following weights were not loaded from checkpoint"):
+            self.not_loaded.update(record.args[0])
+        else:
+            return record.levelno >= logging.INFO  # the per-tensor progress lines we asked for stay quiet
+        return False  # reported by push_weights as an error, or known to be benign
+
+    @contextlib.contextmanager
+    def watching(self):
+        loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.addFilter(self)
+            logger.setLevel(logging.DEBUG)  # "Delayed processing" is a debug record
+        try:
+            yield self
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.removeFilter(self)
+                logger.setLevel(level)
+
+
+def _classes_without_own_weights(worker) -> list[str]:
+    """In a vLLM worker: classes of the model's modules that hold no parameter of their own (only buffers, such as
+    a rotary embedding, or only parameters shared with an earlier module, such as a tied lm_head)."""
+    seen, modules = set(), {}
+    for module in worker.get_model().modules():
+        params = list(module.parameters(recurse=False))
+        fresh = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        modules.setdefault(type(module).__name__, []).append(bool(fresh))
+    own_weights = {name for name, flags in modules.items() if any(flags)}
+    return sorted(set(modules) - own_weights)
 
 
 def max_lora_rank_for(rank: int) -> int:
@@ -105,7 +166,12 @@ class RolloutEngine:
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.sleep_level = sleep_level if kwargs.get("enable_sleep_mode") else 0
+        self.weightless_classes = set(self.llm.collective_rpc(_classes_without_own_weights)[0])
         self.sleep()
+
+    def close(self) -> None:
+        """Shut the engine down now: its process groups go with it, so this must run before ours are destroyed."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         if self.sleep_level:
@@ -117,10 +183,19 @@ class RolloutEngine:
             self.llm.wake_up(tags=[tag])
 
     def push_weights(self, weights) -> None:
-        """Load ``(name, tensor)`` pairs (checkpoint names) into the engine in place."""
+        """Load ``(name, tensor)`` pairs (checkpoint names) into the engine in place, and check that every module
+        with weights of its own received them all (raises `WeightPushError`, naming what is missing)."""
         self.wake_up("weights")
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        with _PushAudit().watching() as audit:
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()
+        empty = sorted(audit.empty - self.weightless_classes)
+        partial = sorted(audit.partial - _PADDED_CLASSES)
+        if empty or partial or audit.not_loaded:
+            raise WeightPushError(
+                f"the weight push left vLLM serving stale weights: parameters never loaded {sorted(audit.not_loaded)}; "
+                f"layers that received no tensor {empty}; layers that received only part of theirs {partial}. "
+                "The pushed names must be the model's checkpoint names (as save_pretrained writes them)")
 
     def sync_merged(self, model) -> None:
         """Push the peft policy with its LoRA merged (`merged_lora_params`; a collective under FSDP2)."""

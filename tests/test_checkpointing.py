@@ -103,9 +103,9 @@ def test_resume_refuses_another_config_and_incomplete_checkpoints(tmp_path):
         load_checkpoint(path, *trained(seed=1), changed, rank=0)
     load_checkpoint(path, *trained(seed=1), {**CONFIG, "max_steps": 20}, rank=0)  # a longer run may resume
     (path / "optimizer.pt").unlink()
-    with pytest.raises(FileNotFoundError, match=r"not a complete checkpoint \(missing \['optimizer.pt'\]\)"):
+    with pytest.raises(ConfigError, match=r"not a complete checkpoint \(missing \['optimizer.pt'\]\)"):
         resolve_checkpoint(str(path), tmp_path)
-    with pytest.raises(FileNotFoundError, match="holds no checkpoint-<N>"):
+    with pytest.raises(ConfigError, match="holds no checkpoint-<N>"):
         resolve_checkpoint("last", tmp_path / "empty")
 
 

@@ -77,7 +77,9 @@ class RecordingLLM:
     def wake_up(self, tags):
         self.calls.append(("wake_up", tuple(tags)))
 
-    def collective_rpc(self, method, kwargs):
+    def collective_rpc(self, method, kwargs=None):
+        if callable(method):  # the engine's look at the model's modules
+            return [[]]
         self.calls.append((method, sorted(kwargs)))
 
     def reset_prefix_cache(self):

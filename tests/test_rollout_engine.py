@@ -1,0 +1,75 @@
+"""The rollout engine (recipes/rollout_engine.py): one push for the recipe and both benchmarks, checked strictly."""
+
+import ast
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from vllm import SamplingParams
+
+import bench_rollout
+import bench_sync
+from bench_common import with_random_lora
+from merge import merged_lora_params
+from padding import packed_log_probs
+from rollout_engine import RolloutEngine, WeightPushError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def calls_in(path: Path) -> set[str]:
+    """Names of the attributes called in a file (``x.y(...)`` -> "y"), and the string arguments of those calls."""
+    calls = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            calls.add(node.func.attr)
+            calls.update(f"{node.func.attr}:{a.value}" for a in node.args if isinstance(a, ast.Constant))
+    return calls
+
+
+def test_the_benchmarks_time_the_recipes_own_sync():
+    assert bench_sync.SYNC_OF_THE_RECIPE is RolloutEngine.sync_merged
+    assert bench_sync.RolloutEngine is RolloutEngine and bench_rollout.RolloutEngine is RolloutEngine
+    for script in ("grpo_qwen3_4b.py", "bench_rollout.py"):
+        assert "sync_merged" in calls_in(ROOT / "recipes" / script), script
+    # the push itself is written once: no other file calls vLLM's reload or builds an engine
+    for path in sorted((ROOT / "recipes").glob("*.py")):
+        if path.name != "rollout_engine.py":
+            calls = calls_in(path)
+            assert "collective_rpc:reload_weights" not in calls and "LLM" not in calls, path.name
+
+
+@pytest.fixture(scope="module")
+def engine_and_policy(tiny_model):
+    engine = RolloutEngine(tiny_model, dtype="float32", max_model_len=128, kv_cache_gb=0.05)
+    policy = with_random_lora(AutoModelForCausalLM.from_pretrained(tiny_model), rank=8, lora_b_std=0.05)
+    yield engine, policy
+    engine.close()
+
+
+def test_merged_push_serves_the_trainers_log_probs(engine_and_policy, caplog):
+    engine, policy = engine_and_policy
+    with caplog.at_level(logging.DEBUG):
+        engine.sync_merged(policy)
+    assert "Failed to load weights" not in caplog.text  # the benign ones (rotary, tied head) are kept quiet
+    prompt = engine.tokenizer("Q: Ava has 3 cards and gets 4 more. How many now?\nA:").input_ids
+    sample = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, logprobs=0))[0]
+    ids = torch.tensor([prompt + sample.completion_ids])
+    response = torch.zeros(1, len(sample.completion_ids), dtype=torch.long) + 1
+    with torch.no_grad():
+        trainer = packed_log_probs(policy, ids, torch.ones_like(ids), response)[0]
+    assert (trainer - torch.tensor(sample.logprobs)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dropped, named", [
+    ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),  # a whole layer
+    ("model.layers.1.self_attn.k_proj.weight", "QKVParallelLinear"),  # part of a fused q/k/v layer
+    ("model.norm.weight", "model.norm.weight"),
+])
+def test_a_dropped_tensor_fails_the_push_by_name(engine_and_policy, dropped, named):
+    engine, policy = engine_and_policy
+    with pytest.raises(WeightPushError, match=named.replace(".", r"\.")):
+        engine.push_weights((name, t) for name, t in merged_lora_params(policy) if name != dropped)
+    engine.sync_merged(policy)  # a complete push afterwards passes
