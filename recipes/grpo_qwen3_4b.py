@@ -565,7 +565,8 @@ def check_engine_follows_trainer(run: Run, metrics: dict) -> None:
             f"rollout step {metrics['rollout_step']}: rollout_logprob_diff_mean="
             f"{metrics['rollout_logprob_diff_mean']:.3g} exceeds vllm.max_logprob_diff={limit:g}: "
             "vLLM is not serving the trainer's weights (a broken or skipped weight sync); stopping instead of "
-            "training on stale rollouts")
+            "training on stale rollouts. (If the sync works and your model's bf16 kernels just differ more than "
+            "the default allows, raise vllm.max_logprob_diff.)")
 
 
 def save(run: Run, rollout_step: int) -> Path:

@@ -34,9 +34,18 @@ def run_recipe(output_dir: Path, *overrides: str, offline: bool = True) -> subpr
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
+def read_lines(output_dir: Path) -> list[dict]:
     metrics_file = output_dir / "run" / "metrics.jsonl"
     return [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The lines of the run's rollout steps (the evaluation lines left out)."""
+    return [line for line in read_lines(output_dir) if "reward_mean" in line]
+
+
+def read_evals(output_dir: Path) -> list[dict]:
+    return [line for line in read_lines(output_dir) if "eval_reward_greedy" in line]
 
 
 def launch(output_dir: Path, model: str, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:

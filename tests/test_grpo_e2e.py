@@ -5,10 +5,11 @@ on a quickly warmed-up tiny model; the assertions read the run's own metrics.jso
 """
 
 import pytest
+import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from recipe_runs import launch
+from recipe_runs import launch, read_evals
 
 METRIC_NAMES = {"rollout_step", "global_step", "merge", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max",
                 "ratio_onpolicy_mean", "ratio_onpolicy_maxdev", "clip_frac", "is_ratio_mean",
@@ -16,8 +17,8 @@ METRIC_NAMES = {"rollout_step", "global_step", "merge", "reward_mean", "reward_s
                 "rollout_tokens_per_s", "sync_s", "update_s", "step_s", "peak_mem_gb"}
 
 
-@pytest.mark.parametrize("merge, extra", [(True, []), (False, ["beta=0.04"])],
-                         ids=["merge_on", "merge_off_with_reference_kl"])
+@pytest.mark.parametrize("merge, extra", [(True, ["eval_steps=4", "report_to=[tensorboard]"]), (False, ["beta=0.04"])],
+                         ids=["merge_on_with_eval_and_tensorboard", "merge_off_with_reference_kl"])
 def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
     proc, metrics = launch(tmp_path, tiny_model, f"lora.merge={str(merge).lower()}", *extra)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -34,18 +35,60 @@ def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(adapter))
     lora_b = [p for n, p in trained.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # peft loads it, and it holds the trained weights
-    assert "rollout 3/3 (optimizer step 6) reward" in (tmp_path / "run" / "train.log").read_text()  # the log outlives vLLM's logging setup
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "rollout 3/3 (optimizer step 6) reward" in log  # the log outlives vLLM's logging setup
+    assert "Failed to load weights" not in proc.stderr  # the strict push keeps the benign reload warnings quiet
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert f"merge: {str(merge).lower()}" in config
+    if "eval_steps=4" in extra:
+        check_eval_and_tensorboard(tmp_path, metrics)
 
 
-def test_skipped_sync_is_caught(tmp_path, tiny_model):
-    """With the sync disabled, vLLM keeps serving stale weights: the log-prob check must stop the run."""
-    proc, metrics = launch(tmp_path, tiny_model, "vllm.sync=false", "learning_rate=5e-3", "vllm.max_logprob_diff=1e-3")
+def check_eval_and_tensorboard(tmp_path, metrics):
+    """Held-out evaluation before training, after optimizer step 4 and at the end; TensorBoard holds the scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    evals = read_evals(tmp_path)
+    assert [e["global_step"] for e in evals] == [0, 4, 6], evals
+    for e in evals:
+        assert 0 <= e["eval_reward_greedy"] <= 1 and 0 <= e["eval_reward_sampled"] <= 1 and e["eval_problems"] > 0
+    events = EventAccumulator(str(next((tmp_path / "run" / "runs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    rewards = events.Scalars("reward_mean")
+    assert [e.step for e in rewards] == [m["global_step"] for m in metrics]
+    assert [e.value for e in rewards] == pytest.approx([m["reward_mean"] for m in metrics], rel=1e-6)
+    assert [e.step for e in events.Scalars("eval_reward_greedy")] == [0, 4, 6]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype):
+    """With the sync disabled, vLLM keeps serving stale weights: the log-prob guard, at its default for the dtype,
+    stops the run within a few rollout steps at a learning rate the embedded default trains with."""
+    proc, metrics = launch(tmp_path, tiny_model, "vllm.sync=false", "learning_rate=1e-3", f"model.dtype={dtype}",
+                           "max_steps=12")
     assert proc.returncode != 0
     assert "broken or skipped weight sync" in proc.stderr
-    assert metrics[0]["rollout_logprob_diff_mean"] <= 1e-4  # step 1: nothing trained yet, weights still equal
-    assert metrics[-1]["rollout_logprob_diff_mean"] > 1e-3
+    assert len(metrics) <= 4, [m["rollout_logprob_diff_mean"] for m in metrics]
+    limit = {"float32": 1e-4, "bfloat16": 1e-2}[dtype]
+    assert metrics[0]["rollout_logprob_diff_mean"] <= limit / 4  # rollout step 1: nothing trained yet
+    assert metrics[-1]["rollout_logprob_diff_mean"] > limit
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merge_on", "merge_off"])
+def test_bf16_trains_fp32_adapters_with_the_guard_armed(tmp_path, tiny_model, merge):
+    """bf16 base and compute, fp32 LoRA: the run completes under the bf16 guard and saves an fp32 adapter."""
+    from safetensors.torch import load_file
+
+    proc, metrics = launch(tmp_path, tiny_model, "model.dtype=bfloat16", f"lora.merge={str(merge).lower()}",
+                           "learning_rate=1e-3")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["rollout_logprob_diff_mean"] <= 1e-2 / 4, m  # well inside the default bf16 guard
+        assert m["ratio_onpolicy_maxdev"] <= 1e-5, m
+        assert m["sync_changed_trainer"] == 0, m
+    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(t.dtype == torch.float32 for t in adapter.values())
 
 
 def test_legacy_padding_blows_up_the_ratio(tmp_path, tiny_model):
