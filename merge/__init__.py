@@ -160,40 +160,58 @@ def _with_factors(lora: LoraLayer, adapter: str, factors: dict[int, torch.Tensor
     return view
 
 
+def _sharded_factors(loras: list[LoraLayer], adapter: str) -> dict[tuple[int, str], DTensor]:
+    """The FSDP2-sharded parameters of the LoRA factors, keyed by ``(id(owner module), name)``."""
+    sharded = {}
+    for lora in loras:
+        for owner, name in _factor_params(lora, adapter):
+            param = owner.get_parameter(name)
+            if isinstance(param, DTensor):
+                sharded[id(owner), name] = param
+    return sharded
+
+
+def _full_precision_loras(
+    loras: list[LoraLayer], sharded: dict[tuple[int, str], DTensor], adapter: str
+) -> dict[int, torch.nn.Module]:
+    """For each LoRA layer whose factors the all-gather rounded, a view of it with the factors at full precision.
+
+    Call while unsharded: a rounded factor is one whose unsharded parameter has another dtype than its shard.
+    ``full_tensor()`` is a collective: every rank calls it for the same factors, in the same (module) order.
+    """
+    views = {}
+    for lora in loras:
+        factors = {}
+        for owner, name in _factor_params(lora, adapter):
+            shard, unsharded = sharded.get((id(owner), name)), owner.get_parameter(name)
+            if shard is not None and unsharded.dtype != shard.dtype:
+                factors[id(unsharded)] = shard.full_tensor()
+        if factors:
+            views[id(lora)] = _with_factors(lora, adapter, factors)
+    return views
+
+
 @contextlib.contextmanager
 def _gathered(modules: list[torch.nn.Module], state: _MergeState):
     """Unshard the FSDP2 groups among ``modules`` for the block (a collective: every rank enters, in step).
 
     Under FSDP2 mixed precision the all-gather casts every parameter to ``param_dtype``, the LoRA factors
-    included; peft's merge of an unsharded model computes the delta from the factors in their own dtype
-    (fp32 adapters on a bf16 base). So each factor the all-gather rounded is gathered once more with
-    ``full_tensor()`` in its own dtype (the factors are small), in module order on every rank, and the
-    merge uses a view of its LoRA layer with those (``state.full_precision_loras``).
+    included, while peft's merge of an unsharded model computes the delta from the factors in their own dtype
+    (fp32 adapters on a bf16 base). So the factors the all-gather rounded are gathered once more in their own
+    dtype (they are small), and the merge uses those (``state.full_precision_loras``).
     """
     groups = [m for m in modules if isinstance(m, FSDPModule)]
     loras = [m for m in modules if isinstance(m, LoraLayer)]
-    sharded = {
-        (id(owner), name): owner.get_parameter(name)
-        for lora in loras
-        for owner, name in _factor_params(lora, state.adapter)
-        if isinstance(owner.get_parameter(name), DTensor)
-    }
+    sharded = _sharded_factors(loras, state.adapter)  # before unshard(), which swaps the shards out of the modules
     for group in groups:
         group.unshard()
     try:
         state.unsharded = bool(groups)
-        for lora in loras:
-            factors = {}
-            for owner, name in _factor_params(lora, state.adapter):
-                before, after = sharded.get((id(owner), name)), owner.get_parameter(name)
-                if before is not None and after.dtype != before.dtype:
-                    factors[id(after)] = before.full_tensor()
-            if factors:
-                state.full_precision_loras[id(lora)] = _with_factors(lora, state.adapter, factors)
+        state.full_precision_loras = _full_precision_loras(loras, sharded, state.adapter)
         yield
     finally:
         state.unsharded = False
-        state.full_precision_loras.clear()
+        state.full_precision_loras = {}
         for group in groups:
             group.reshard()
 
@@ -270,7 +288,8 @@ def _module_tensors(
         yield from _lora_layer_tensors(module, prefix, state)
         return
     if isinstance(module, ModulesToSaveWrapper):
-        active = module.modules_to_save[state.adapter] if state.adapter in module.modules_to_save else module.original_module
+        saved = module.modules_to_save
+        active = saved[state.adapter] if state.adapter in saved else module.original_module
         yield from _module_tensors(active, prefix, state)
         return
     dot = f"{prefix}." if prefix else ""

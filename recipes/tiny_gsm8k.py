@@ -147,7 +147,8 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
 
     A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B; a ``Qwen3MoeForCausalLM`` for the MOE_SIZES) with
     the character tokenizer, warmed up with AdamW on the answer tokens of generated problems. Cached: an
-    ``out_dir`` whose ``build_info.json`` has the same arguments is reused. Written atomically (temporary sibling folder, then rename).
+    ``out_dir`` whose ``build_info.json`` has the same arguments is reused. Written atomically (temporary
+    sibling folder, then rename).
     """
     from tqdm.auto import tqdm
     from transformers import GenerationConfig

@@ -137,7 +137,9 @@ def test_fsdp2_two_processes_moe_and_mixed_precision():
 
 
 def test_vllm_serves_the_merged_moe(tmp_path):
-    """vLLM-CPU's log-probs after the push equal the trainer's; a skipped expert tensor shows (tests/vllm_moe_push_worker.py)."""
+    """vLLM-CPU's log-probs after the push equal the trainer's; a skipped expert tensor shows.
+
+    See tests/vllm_moe_push_worker.py for what is measured."""
     out = tmp_path / "errors.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_moe_push_worker.py"), str(out)],
                           env={**WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True, text=True,

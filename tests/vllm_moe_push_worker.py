@@ -27,7 +27,8 @@ from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_qwen3_moe
 
 def lora_on_attention_and_experts(model_dir: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, target_parameters=EXPERTS))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, target_parameters=EXPERTS)
+    peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
