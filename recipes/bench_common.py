@@ -44,14 +44,16 @@ def machine_info() -> dict:
 
 
 def with_random_lora(model: torch.nn.Module, rank: int = 16, targets=ALL_LINEAR, lora_b_std: float = 0.01,
-                     seed: int = 0, **lora) -> PeftModel:
+                     seed: int = 0, autocast_adapter_dtype: bool = True, **lora) -> PeftModel:
     """``model`` with a peft LoRA (alpha = 2 * rank) whose lora_B ~ N(0, lora_b_std^2): merging changes every target.
 
-    Seeded, so every process builds the same adapter; the adapter keeps the model's dtype.
+    Seeded, so every process builds the same adapter. ``autocast_adapter_dtype`` is peft's: True (its default)
+    makes fp32 LoRA weights on a bf16 base, False keeps the base's dtype.
     """
     torch.manual_seed(seed)
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank,
-                                             target_modules=targets, **lora), autocast_adapter_dtype=False)
+                                             target_modules=targets, **lora),
+                           autocast_adapter_dtype=autocast_adapter_dtype)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

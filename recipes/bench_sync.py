@@ -185,7 +185,8 @@ def worker(args) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), rank=args.rank)
+    model = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), rank=args.rank,
+                             autocast_adapter_dtype=False)
     layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
     parameters = sum(p.numel() for p in model.get_base_model().parameters())
     apply_fsdp(model, param_dtype=dtype)
@@ -419,7 +420,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = build_tiny_model(Path(args.cache) / f"bench-{args.size}", size=args.size, seed=0, warmup_steps=0)
-    bf16 = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), rank=args.rank)
+    bf16 = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), rank=args.rank,
+                            autocast_adapter_dtype=False)  # bf16 LoRA weights, merged in bf16
     drift = dict(fixed_adapter=merge_unmerge_drift(bf16, cycles=args.drift_cycles),
                  adapter_updated_between_cycles=merge_unmerge_drift(bf16, args.drift_cycles, args.drift_lora_b_step))
     out = report(args, parts["time"], parts["memory"], drift, machine, round(time.perf_counter() - start, 1))

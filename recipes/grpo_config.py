@@ -70,6 +70,7 @@ class LoraSettings:
     use_dora: bool = False
     modules_to_save: list[str] | None = None
     init_lora_weights: bool = True
+    target_parameters: list[str] | None = None  # LoRA on parameters, e.g. fused MoE experts [mlp.experts.gate_up_proj]
 
 
 @dataclass
@@ -185,6 +186,10 @@ class RecipeConfig:
             if self.lora.r > limit or self.lora.r > VLLM_LORA_RANKS[-1]:
                 raise ConfigError(f"lora.merge=false: lora.r={self.lora.r} exceeds vllm.max_lora_rank={limit} "
                                   f"(vLLM allows ranks up to {VLLM_LORA_RANKS[-1]}: {list(VLLM_LORA_RANKS)})")
+            if self.lora.target_parameters:
+                raise ConfigError(f"lora.merge=false: vLLM's LoRA cannot serve lora.target_parameters="
+                                  f"{self.lora.target_parameters} (LoRA on parameters, e.g. fused MoE experts); use "
+                                  "lora.merge=true (merged weights include them)")
             if self.lora.modules_to_save:
                 raise ConfigError(f"lora.merge=false: vLLM's LoRA cannot serve lora.modules_to_save="
                                   f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)")
@@ -260,6 +265,7 @@ RANGES = {
     "lora.lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "lora.target_modules": (bool, "a non-empty list of module names"),
     "lora.modules_to_save": (bool, "a non-empty list of module names or null"),
+    "lora.target_parameters": (bool, "a non-empty list of parameter names or null"),
     "vllm.kv_cache_gb": (_above(0), "> 0"),
     "vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "vllm.max_num_seqs": (_at_least(1), ">= 1"),
@@ -271,7 +277,7 @@ CHOICES = {
     "scale_rewards": ("group", "batch", "none"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
-    "model.build_tiny": (None, "tiny", "small"),
+    "model.build_tiny": (None, "tiny", "small", "tiny-moe"),
     "lora.bias": ("none",),
 }
 

@@ -60,6 +60,7 @@ from grpo_data import (check_reward_columns, group_advantages, held_out_problems
 from grpo_loss import (LossSettings, accumulate_stats, grpo_loss, high_entropy_mask, reduce_op,
                        vllm_importance_sampling_ratio)
 from memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
+from merge.vllm_compat import vllm_unservable_lora_targets
 from padding import packed_log_probs
 from parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_shared_output_dir, fsdp_settings, init_distributed,
                       reduce_across_ranks)
@@ -176,6 +177,11 @@ def build_policy(cfg: RecipeConfig, device: torch.device, world: int, fsdp: FSDP
     lora = {k: v for k, v in config_to_dict(cfg)["lora"].items() if k != "merge"}
     torch.manual_seed(cfg.seed)  # the same initial adapter on every rank
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+    unservable = [] if cfg.lora.merge else vllm_unservable_lora_targets(model, device.type)
+    if unservable:
+        raise ConfigError(f"lora.merge=false: vLLM 0.32 cannot serve these LoRA targets unmerged on {device.type}: "
+                          f"{unservable[:4]}{' ...' if len(unservable) > 4 else ''} (merge/vllm_compat.py says why); "
+                          "use lora.merge=true (merged weights serve every target)")
     compute_dtype = torch.bfloat16 if fsdp.mixed_precision == "bf16" else dtype
     if world > 1:
         apply_fsdp(model, compute_dtype, fsdp)

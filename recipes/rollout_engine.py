@@ -27,6 +27,7 @@ import torch
 
 from grpo_config import VLLM_LORA_RANKS, ConfigError
 from merge import decoder_layers, merged_lora_params
+from merge.vllm_compat import reload_vllm_weights
 
 
 @dataclass
@@ -187,8 +188,7 @@ class RolloutEngine:
         with weights of its own received them all (raises `WeightPushError`, naming what is missing)."""
         self.wake_up("weights")
         with _PushAudit().watching() as audit:
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
-        self.llm.reset_prefix_cache()
+            reload_vllm_weights(self.llm, weights)  # vLLM's reload_weights (+ the CPU MoE repacking it skips)
         empty = sorted(audit.empty - self.weightless_classes)
         partial = sorted(audit.partial - _PADDED_CLASSES)
         if empty or partial or audit.not_loaded:

@@ -7,3 +7,11 @@ def tiny_model(tmp_path_factory):
     from tiny_gsm8k import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", warmup_steps=60)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory):
+    """The embedded mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) with a short warm-up."""
+    from tiny_gsm8k import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe", size="tiny-moe", warmup_steps=60)

@@ -87,6 +87,9 @@ def bf16_adapters(rank: int, tmp: Path) -> None:
     def lora_a(model) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().float().clone() for n, p in model.named_parameters() if "lora_A" in n}
 
+    def changed_fraction(after, before) -> float:
+        return sum(int((after[n] != before[n]).sum()) for n in after) / sum(t.numel() for t in after.values())
+
     runs = {}
     for name, base, follows, compute in (("fp32", torch.float32, False, torch.float32),
                                          ("bf16 base, fp32 LoRA", torch.bfloat16, False, torch.bfloat16),
@@ -96,16 +99,20 @@ def bf16_adapters(rank: int, tmp: Path) -> None:
         before = lora_a(model)
         train_steps(model, rank, steps=4, lr=1e-5)
         after = lora_a(model)
-        runs[name] = dict(model=model, moved=max((after[n] - before[n]).abs().max().item() for n in after),
-                          lora_a=after, before=before)
+        runs[name] = dict(model=model, moved=changed_fraction(after, before), lora_a=after, before=before)
     reference, mixed, pure = runs["fp32"], runs["bf16 base, fp32 LoRA"], runs["bf16 base, bf16 LoRA"]
-    step_error = max(((mixed["lora_a"][n] - mixed["before"][n]) - (reference["lora_a"][n] - reference["before"][n]))
-                     .abs().max().item() for n in reference["lora_a"])
-    print(f"rank {rank}: lora_A moved by {reference['moved']:.2e} (fp32), {mixed['moved']:.2e} (bf16 base, fp32 "
-          f"LoRA), {pure['moved']:.2e} (bf16 LoRA); |update(bf16 base) - update(fp32)| max {step_error:.2e}")
-    assert pure["moved"] == 0.0, "pure-bf16 LoRA: lr 1e-5 steps should be lost to rounding (the defect)"
-    assert mixed["moved"] > 0.5 * reference["moved"] > 0
-    assert step_error <= 0.1 * reference["moved"], (step_error, reference["moved"])  # same updates, up to bf16 compute
+    def update(run) -> torch.Tensor:
+        return torch.cat([(run["lora_a"][n] - run["before"][n]).flatten() for n in sorted(run["lora_a"])])
+
+    ours, wanted = update(mixed), update(reference)
+    relative = ((ours - wanted).norm() / wanted.norm()).item()
+    cosine = torch.nn.functional.cosine_similarity(ours, wanted, dim=0).item()
+    print(f"rank {rank}: lora_A entries changed: {reference['moved']:.1%} (fp32), {mixed['moved']:.1%} (bf16 base, "
+          f"fp32 LoRA), {pure['moved']:.1%} (bf16 LoRA); bf16-compute update vs fp32's: relative L2 difference "
+          f"{relative:.3f}, cosine {cosine:.4f}")
+    assert pure["moved"] < 0.2, "pure-bf16 LoRA: most lr 1e-5 steps should be lost to rounding (the defect)"
+    assert mixed["moved"] > 0.95 and reference["moved"] > 0.95
+    assert relative < 0.35 and cosine > 0.95, (relative, cosine)  # the same updates, up to bf16 compute
     saved = full_adapter_state(mixed["model"])
     assert saved and all(t.dtype == torch.float32 for t in saved.values())  # the saved adapter is fp32
     pushed = dict(merged_lora_params(mixed["model"], dtype=torch.bfloat16))
@@ -142,14 +149,15 @@ def sampling_streams(rank: int, tmp: Path) -> None:
     dist.all_gather_object(everyone, completions)
     assert everyone[0] != everyone[1], "two ranks drew the same completions for the same prompts"
     (tmp / f"completions{rank}.json").write_text(json.dumps(completions))
-    del engine
+    engine.close()
 
 
 if __name__ == "__main__":
     check, tmp = sys.argv[1], Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    globals()[check](dist.get_rank(), tmp)
-    print(f"rank {dist.get_rank()}: {check} OK", flush=True)
-    if dist.is_initialized():
+    rank = dist.get_rank()
+    globals()[check](rank, tmp)
+    print(f"rank {rank}: {check} OK", flush=True)
+    if dist.is_initialized():  # a vLLM engine's shutdown takes the default group with it
         dist.destroy_process_group()

@@ -11,10 +11,10 @@ SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generati
              "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true", "learning_rate=5e-5"]
 
 
-def launch_command(output_dir: Path, model: str, *overrides: str) -> list[str]:
+def launch_command(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml") -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"), str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
-            "--config", str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"model.name_or_path={model}",
+            "--config", str(ROOT / "recipes" / "configs" / config), f"model.name_or_path={model}",
             "model.build_tiny=null", f"output_dir={output_dir}", "run_name=run", *SMALL_RUN, *overrides]
 
 
@@ -24,13 +24,13 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
-def run_recipe(output_dir: Path, *overrides: str, offline: bool = True) -> subprocess.CompletedProcess:
+def run_recipe(output_dir: Path, *overrides: str, offline: bool = True, config: str = "tiny_cpu.yaml"):
     """The recipe as one plain process (no launcher), on the embedded default's config: for refusals before any work."""
     env = launch_env()
     if not offline:
         env.pop("HF_HUB_OFFLINE")
     command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py"), "--config",
-               str(ROOT / "recipes" / "configs" / "tiny_cpu.yaml"), f"output_dir={output_dir}", "run_name=run", *overrides]
+               str(ROOT / "recipes" / "configs" / config), f"output_dir={output_dir}", "run_name=run", *overrides]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -48,7 +48,8 @@ def read_evals(output_dir: Path) -> list[dict]:
     return [line for line in read_lines(output_dir) if "eval_reward_greedy" in line]
 
 
-def launch(output_dir: Path, model: str, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    proc = subprocess.run(launch_command(output_dir, model, *overrides), cwd=ROOT, env=launch_env(),
+def launch(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml"):
+    """Run the recipe to the end; returns (the finished process, the metrics of its rollout steps)."""
+    proc = subprocess.run(launch_command(output_dir, model, *overrides, config=config), cwd=ROOT, env=launch_env(),
                           capture_output=True, text=True, timeout=900)
     return proc, read_metrics(output_dir)

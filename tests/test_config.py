@@ -1,6 +1,8 @@
 """Recipe config: TRL/peft names, typed loading, clear errors naming the bad key or value."""
 
 import dataclasses
+import subprocess
+import typing
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,7 @@ import trl
 from peft import LoraConfig
 
 from grpo_config import ConfigError, LoraSettings, RecipeConfig, load_config
+from recipe_runs import launch_command, launch_env, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,11 +48,11 @@ def test_overrides_are_typed():
     ("lora.r=true", "lora.r=True must be of type int"),
     ("lora.merge=maybe", "lora.merge='maybe' must be of type bool"),
     ("lora.target_modules=q_proj", "lora.target_modules='q_proj' must be a list of str"),
-    ("loss_type=ppo", "loss_type='ppo' is not allowed; choose one of"),
+    ("loss_type=ppo", "loss_type='ppo' is not supported; supported: grpo, bnpo"),
     ("model.dtype=float16", "model.dtype='float16' is not allowed"),
     ("num_generations=3", "must be a multiple of num_generations=3"),
-    ("num_generations=1", "num_generations=1 must be >= 2"),
-    ("temperature=0", "temperature=0.0 must be > 0"),
+    ("num_generations=1", "num_generations=1 is out of range: it must be >= 2"),
+    ("temperature=0", "temperature=0.0 is out of range: it must be > 0"),
     ("vllm=3", "vllm must be a mapping"),
     ("nokey", "override 'nokey' must look like key=value"),
 ])
@@ -68,3 +71,64 @@ def test_unknown_key_in_yaml(tmp_path):
     path.write_text("lora:\n  rank: 8\n")
     with pytest.raises(ConfigError, match="unknown config key 'lora.rank'"):
         load_config(path)
+
+
+# One out-of-range (or ill-typed) value for every field of the config, the sections' fields included.
+BAD_VALUES = {
+    "output_dir": '""', "run_name": "a/b", "seed": "-1", "max_steps": "0", "learning_rate": "0",
+    "lr_scheduler_type": "exponential", "warmup_steps": "-1", "weight_decay": "-0.1", "adam_beta1": "1.0",
+    "adam_beta2": "-0.5", "max_grad_norm": "0", "gradient_checkpointing": "maybe", "per_device_train_batch_size": "0",
+    "steps_per_generation": "0", "num_iterations": "0", "num_generations": "1", "max_completion_length": "0",
+    "temperature": "0", "top_p": "1.5", "top_k": "-1", "loss_type": "ppo", "importance_sampling_level": "batch",
+    "epsilon": "-0.1", "epsilon_high": "-0.2", "delta": "0", "beta": "-0.1", "use_bias_correction_kl": "maybe",
+    "top_entropy_quantile": "1.5", "sapo_temperature_pos": "0", "sapo_temperature_neg": "-1",
+    "vllm_importance_sampling_correction": "maybe", "vllm_importance_sampling_mode": "token",
+    "vllm_importance_sampling_clip_max": "0", "vllm_importance_sampling_clip_min": "-1", "scale_rewards": "global",
+    "mask_truncated_completions": "maybe", "save_steps": "0", "eval_steps": "0", "report_to": "[]",
+    "save_total_limit": "0", "resume_from_checkpoint": '""', "reward_funcs": "[no_colon]",
+    "model.name_or_path": '""', "model.dtype": "float16", "model.attn_implementation": "flash",
+    "model.build_tiny": "huge", "model.build_seed": "-1",
+    "data.name": '""', "data.config_name": '""', "data.split": '""', "data.num_generated": "0",
+    "data.prompt_template": '""', "data.system_prompt": '""', "data.use_chat_template": "maybe",
+    "data.max_prompt_length": "0", "data.eval_split": '""', "data.num_eval": "0",
+    "lora.merge": "maybe", "lora.r": "0", "lora.lora_alpha": "0", "lora.lora_dropout": "2", "lora.target_modules": "[]",
+    "lora.bias": "all", "lora.use_rslora": "maybe", "lora.use_dora": "true", "lora.modules_to_save": "[]",
+    "lora.init_lora_weights": "maybe", "lora.target_parameters": "[]",
+    "vllm.kv_cache_gb": "0", "vllm.gpu_memory_utilization": "1.5", "vllm.enable_sleep_mode": "maybe",
+    "vllm.enforce_eager": "maybe", "vllm.max_num_seqs": "0", "vllm.max_lora_rank": "24",
+    "vllm.max_logprob_diff": "0", "vllm.verify_sync": "maybe", "vllm.sync": "maybe",
+    "padding.legacy_slice": "maybe",
+}
+
+
+def dotted_fields(cls, prefix: str = "") -> set[str]:
+    names = set()
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "lora", "vllm", "padding"):
+            names |= dotted_fields(typing.get_type_hints(cls)[f.name], f"{prefix}{f.name}.")
+        else:
+            names.add(prefix + f.name)
+    return names
+
+
+def test_the_bad_value_table_covers_every_field():
+    assert dotted_fields(RecipeConfig) == set(BAD_VALUES), dotted_fields(RecipeConfig) ^ set(BAD_VALUES)
+
+
+@pytest.mark.parametrize("key", sorted(BAD_VALUES))
+def test_every_field_refuses_a_bad_value_by_name(key):
+    """Checked when the config is loaded, before any work: the message names the key and its value."""
+    with pytest.raises(ConfigError, match=rf"\b{key.split('.')[-1]}\b"):
+        load_config(None, [f"{key}={BAD_VALUES[key]}"])
+
+
+def test_a_config_error_is_one_line_from_one_process_with_exit_code_2(tmp_path):
+    proc = run_recipe(tmp_path, "epsilon=-0.1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: epsilon=-0.1 is out of range: it must be in (0, 1)", proc.stderr[-3000:]
+    launched = subprocess.run(launch_command(tmp_path, "unused", "top_p=1.5"), cwd=ROOT, env=launch_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert launched.returncode != 0
+    ours = [line for line in launched.stderr.splitlines() if "top_p" in line]
+    assert ours == ["error: top_p=1.5 is out of range: it must be in (0, 1]"], launched.stderr[-3000:]  # rank 0 only
+    assert "[rank" not in launched.stderr  # no traceback from the recipe's processes (the launcher adds its summary)

@@ -78,9 +78,8 @@ class RecordingLLM:
         self.calls.append(("wake_up", tuple(tags)))
 
     def collective_rpc(self, method, kwargs=None):
-        if callable(method):  # the engine's look at the model's modules
-            return [[]]
-        self.calls.append((method, sorted(kwargs)))
+        self.calls.append((getattr(method, "__name__", method), sorted(kwargs or {})))
+        return [[]]
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -101,9 +100,8 @@ def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
     engine.push_weights(iter([]))
     engine.generate([[1, 2]], sampling=None)
     assert RecordingLLM.calls == [
-        ("LLM", True), ("sleep", sleep_level),
-        ("wake_up", ("weights",)), ("reload_weights", ["is_checkpoint_format", "weights_iterator"]),
-        ("reset_prefix_cache",),
+        ("LLM", True), ("_classes_without_own_weights", []), ("sleep", sleep_level),
+        ("wake_up", ("weights",)), ("_reload_repacking_cpu_experts", ["weights_iterator"]), ("reset_prefix_cache",),
         ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", sleep_level),
     ]
 
@@ -116,7 +114,7 @@ def test_without_sleep_mode_the_engine_never_sleeps(monkeypatch):
     cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
     engine = RolloutEngine("m", **engine_args(cfg, "cuda"))
     engine.generate([[1]], sampling=None)
-    assert [c[0] for c in RecordingLLM.calls] == ["LLM", "generate"]
+    assert [c[0] for c in RecordingLLM.calls] == ["LLM", "_classes_without_own_weights", "generate"]
 
 
 # ----------------------------------------------------------------------------- memory plan at Qwen3-4B's size
