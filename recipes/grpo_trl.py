@@ -25,6 +25,7 @@ standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` li
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -44,7 +45,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge` from the repo root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gsm8k import SIZES, build_tiny_model, format_prompt, gsm8k_exact_answer_reward, make_problems  # noqa: E402
+from tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
 
 
 @dataclass
@@ -56,6 +57,8 @@ class TinyGsm8kArguments:
                 "cached; null (or none) to use model_name_or_path as it is"})
     build_seed: int = field(default=0, metadata={"help": "seed of the embedded model's build"})
     num_generated: int = field(default=4096, metadata={"help": "generated GSM8K-style problems to train on"})
+    reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"], metadata={
+        "help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"})
     sync: str = field(default="merged_lora_params", metadata={
         "help": "merged_lora_params (merge.trl) or trl (TRL's own merge/unmerge sync)", "choices": [
             "merged_lora_params", "trl"]})
@@ -182,6 +185,17 @@ def problems_dataset(num_problems: int, seed: int):
                               for p in make_problems(num_problems, seed=seed)])
 
 
+def load_reward_funcs(names: list[str]) -> list:
+    """``module:function`` strings -> the functions (modules are found on sys.path)."""
+    funcs = []
+    for name in names:
+        module, _, function = name.partition(":")
+        if not function:
+            raise ValueError(f"reward function {name!r} is not of the form module:function")
+        funcs.append(getattr(importlib.import_module(module), function))
+    return funcs
+
+
 def refuse_unjoined_processes(trainer) -> None:
     """accelerate on CPU without ``use_cpu`` starts processes that each train alone: stop instead."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -204,20 +218,23 @@ def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
                   enable_prefix_caching=script_args.vllm_enable_prefix_caching)
     if model_args.dtype not in (None, "auto"):
         engine["dtype"] = model_args.dtype  # vLLM's "auto" would serve an fp32 checkpoint in bf16
+    dataset = problems_dataset(script_args.num_generated, training_args.seed)
+    rewards = load_reward_funcs(script_args.reward_funcs)
     with vllm_engine_kwargs(**engine):
-        return GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=[gsm8k_exact_answer_reward],
-                           args=training_args, train_dataset=problems_dataset(script_args.num_generated,
-                                                                              training_args.seed),
-                           peft_config=get_peft_config(model_args))
+        return GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=rewards, args=training_args,
+                           train_dataset=dataset, peft_config=get_peft_config(model_args))
 
 
-def main(argv: list[str] | None = None) -> None:
+def setup(argv: list[str] | None = None):
+    """Parse the config, build the trainer, install the sync, the timers and the metrics callback; no training."""
     from trl import GRPOConfig, ModelConfig, TrlParser
 
     from merge.trl import use_merged_lora_sync
 
     script_args, training_args, model_args = TrlParser((TinyGsm8kArguments, GRPOConfig, ModelConfig)) \
         .parse_args_and_config(argv)
+    if not training_args.use_vllm:
+        raise ValueError("use_vllm: true is required: the recipe measures the vLLM rollouts and their weight sync")
     if training_args.logging_steps != 1:
         raise ValueError(f"logging_steps={training_args.logging_steps}: the metrics need one TRL log per optimizer "
                          "step (logging_steps: 1)")
@@ -247,8 +264,13 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_callback(RolloutMetrics(
         run_dir / "metrics.jsonl", updates // training_args.gradient_accumulation_steps,
         training_args.generation_batch_size, sync_timer, rollout_timer, script_args.sync, write=main_process))
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    trainer = setup(argv)
     trainer.train()
-    trainer.save_model(str(run_dir / "adapter"))
+    trainer.save_model(str(Path(trainer.args.output_dir) / "adapter"))
 
 
 if __name__ == "__main__":
