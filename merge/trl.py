@@ -23,9 +23,9 @@ repacks linears for oneDNN and empties the originals. Ours, :class:`MergedLoraSy
 - streams ``merged_lora_params(model)``: one decoder layer unsharded at a time (FSDP2) or none (unsharded),
   ``W + scaling * (B @ A)`` computed out of place, base-model names cleaned as TRL cleans them; the trainer's
   parameters are never written;
-- colocate: pushes with ``llm.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``
-  (vLLM's layer-wise in-place reload: it works where ``load_weights`` cannot, and everywhere else too), cast to
-  the engine's dtype; server: the main process streams through TRL's own client,
+- colocate: pushes with vLLM's layer-wise in-place reload (``merge.vllm_compat.reload_vllm_weights``:
+  ``collective_rpc("reload_weights", ...)``, plus the CPU MoE repacking vLLM 0.32 skips): it works where
+  ``load_weights`` cannot, and everywhere else too, cast to the engine's dtype; server: the main process streams through TRL's own client,
   ``vllm_client.update_named_params(metadata, pairs)``, every other process iterates alongside (the unsharding
   is a collective); the ``(name, dtype, shape)`` metadata is collected on the first sync, as TRL does;
 - the same epilogue: ``reset_prefix_cache()`` on the engine, or on the server from the main process.
@@ -51,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from merge import _check_supported, decoder_layers, merged_lora_params
+from merge.vllm_compat import reload_vllm_weights
 
 __all__ = ["SUPPORTED_TRL", "UnsupportedTRLVersionError", "check_trl_version", "use_merged_lora_sync",
            "install_merged_lora_sync", "MergedLoraSync", "push_merged_lora_to_llm", "merged_lora_weights",
@@ -115,9 +116,7 @@ def push_merged_lora_to_llm(model: torch.nn.Module, llm, dtype: torch.dtype | No
     every rank calls it, in step (each rank pushes into its own engine).
     """
     dtype = dtype or llm.llm_engine.model_config.dtype
-    llm.collective_rpc("reload_weights",
-                       kwargs=dict(weights_iterator=merged_lora_weights(model, dtype), is_checkpoint_format=True))
-    llm.reset_prefix_cache()
+    reload_vllm_weights(llm, merged_lora_weights(model, dtype))
 
 
 class MergedLoraSync:

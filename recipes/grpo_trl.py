@@ -25,12 +25,10 @@ standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` li
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
 import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,12 +37,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `merge` from the repo root
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_data import load_reward_funcs  # noqa: E402
+from parallel import reduce_across_ranks  # noqa: E402
 from tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
 
 
@@ -88,21 +85,12 @@ class CallTimer:
             self.seconds.append(time.perf_counter() - start)
 
 
-def reduce_max(values: list[float]) -> list[float]:
-    """Element-wise max over processes (a collective when the processes are joined)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
 class RolloutMetrics(TrainerCallback):
     """Writes one line per rollout (``optimizer_steps_per_rollout`` optimizer steps) to ``metrics.jsonl``.
 
     Names as in ``recipes/grpo_qwen3_4b.py``, from TRL's logs (``logging_steps=1``) and two timers:
 
-    step, global_step          rollout number (from 1), optimizer steps so far
+    rollout_step, global_step  rollout number (from 1), optimizer steps so far
     reward_mean, reward_std    TRL's ``reward``, ``reward_std`` (TRL's std has Bessel's correction; ours has not)
     clip_frac                  mean of TRL's ``clip_ratio/region_mean`` over the rollout's optimizer steps
     rollout_logprob_diff_mean  TRL's ``sampling/sampling_logp_difference/mean`` (|vLLM - trainer| per token,
@@ -160,12 +148,13 @@ class RolloutMetrics(TrainerCallback):
         step_s = time.perf_counter() - self.window_start
         memory = (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux
-        rollout_s, sync_s, step_s, peak_mem_gb = reduce_max(
-            [sum(self.rollout_timer.seconds), sum(self.sync_timer.seconds), step_s, memory])
+        slowest = reduce_across_ranks(maxs=dict(rollout_s=sum(self.rollout_timer.seconds), step_s=step_s,
+                                                sync_s=sum(self.sync_timer.seconds), peak_mem_gb=memory))
+        rollout_s, sync_s, step_s, peak_mem_gb = (slowest[k] for k in ("rollout_s", "sync_s", "step_s", "peak_mem_gb"))
         mean_length = self.first("completions/mean_length")
         rollout_tokens = round(mean_length * self.completions_per_rollout) if mean_length is not None else None
         return dict(
-            step=math.ceil(global_step / self.steps_per_rollout), global_step=global_step, merge=True,
+            rollout_step=math.ceil(global_step / self.steps_per_rollout), global_step=global_step, merge=True,
             trainer="trl", sync=self.sync, reward_mean=self.first("reward"), reward_std=self.first("reward_std"),
             clip_frac=self.mean("clip_ratio/region_mean"),
             rollout_logprob_diff_mean=self.first("sampling/sampling_logp_difference/mean"),
@@ -183,17 +172,6 @@ def problems_dataset(num_problems: int, seed: int):
 
     return Dataset.from_list([dict(prompt=format_prompt(p["question"]), answer=p["answer"])
                               for p in make_problems(num_problems, seed=seed)])
-
-
-def load_reward_funcs(names: list[str]) -> list:
-    """``module:function`` strings -> the functions (modules are found on sys.path)."""
-    funcs = []
-    for name in names:
-        module, _, function = name.partition(":")
-        if not function:
-            raise ValueError(f"reward function {name!r} is not of the form module:function")
-        funcs.append(getattr(importlib.import_module(module), function))
-    return funcs
 
 
 def refuse_unjoined_processes(trainer) -> None:

@@ -24,7 +24,7 @@ from trl_helpers import (RecordingVLLMClient, broadcast_recorded, completion_log
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_ENV = dict(os.environ)  # before TRL's colocate setup writes RANK, WORLD_SIZE, MASTER_PORT into os.environ
-STANDALONE_NAMES = {"step", "global_step", "reward_mean", "reward_std", "clip_frac", "rollout_logprob_diff_mean",
+STANDALONE_NAMES = {"rollout_step", "global_step", "reward_mean", "reward_std", "clip_frac", "rollout_logprob_diff_mean",
                     "rollout_logprob_diff_max", "rollout_tokens", "rollout_s", "rollout_tokens_per_s", "sync_s",
                     "update_s", "step_s", "peak_mem_gb", "loss", "lr", "merge"}  # less ratio_*: TRL does not log it
 MAX_LOGPROB_DIFF = 1e-4  # mean |vLLM - trainer| in fp32, the standalone recipe's bound
@@ -113,7 +113,7 @@ def test_colocate_fp32_direct_comparison_against_the_adapter(fp32_run):
 
 def test_recipe_metrics_use_the_standalone_names(fp32_run):
     metrics = fp32_run.metrics
-    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["global_step"] for m in metrics] == [2, 4, 6]
+    assert [m["rollout_step"] for m in metrics] == [1, 2, 3] and [m["global_step"] for m in metrics] == [2, 4, 6]
     for line in metrics:
         assert STANDALONE_NAMES <= set(line), sorted(STANDALONE_NAMES - set(line))
         assert line["merge"] is True and line["trainer"] == "trl" and line["sync"] == "merged_lora_params"

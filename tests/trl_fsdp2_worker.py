@@ -65,7 +65,7 @@ def main():
     rpc = generation.llm.collective_rpc
 
     def recording_rpc(method, kwargs=None, **rest):
-        if method == "reload_weights":
+        if kwargs and "weights_iterator" in kwargs:  # the reload (merge.vllm_compat.reload_vllm_weights)
             kwargs = dict(kwargs, weights_iterator=recorded(kwargs["weights_iterator"], pushed))
         return rpc(method, kwargs=kwargs, **rest)
 
