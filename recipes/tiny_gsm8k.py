@@ -1,9 +1,12 @@
 """The embedded default: GSM8K-style problems, an exact-answer reward, and a small Qwen3 the project builds.
 
 No pretrained model can be downloaded on the machines this project is tested on, so the default run trains
-its own: a character-level tokenizer, a ``Qwen3ForCausalLM`` of a few million parameters, and a short
+its own: a character-level tokenizer, a ``Qwen3ForCausalLM`` of about a million parameters, and a short
 supervised warm-up on generated problems so that sampling already gets some answers right (GRPO needs
-reward variance within a group). Everything is deterministic from a seed and cached on disk.
+reward variance within a group). Half of the warm-up's worked answers slip by one on their ``####`` line
+(``with_slips``): the model learns that habit too, so a sampled answer often ends one off even when its working
+is right. That is what GRPO, rewarded for exact answers, visibly unlearns in the default run: sampled reward and
+held-out accuracy rise (README). Everything is deterministic from a seed and cached on disk.
 
     python recipes/tiny_gsm8k.py --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
 
@@ -118,6 +121,22 @@ def _encode_example(tokenizer, row: dict) -> tuple[list[int], int]:
     return prompt + answer, len(prompt)
 
 
+def with_slips(problems: list[dict], slip_rate: float, seed: int) -> list[dict]:
+    """A ``slip_rate`` share of the worked answers restates its last result off by one on the ``####`` line.
+
+    The warm-up learns this habit along with the arithmetic: a sampled answer then slips about as often, whatever
+    the problem, which is the room GRPO has to improve (the exact-answer reward penalises every slip).
+    """
+    rng = random.Random(seed)
+    slipped = []
+    for row in problems:
+        if rng.random() < slip_rate:
+            *steps, final = row["answer"].split("\n")
+            row = {**row, "answer": "\n".join([*steps, f"#### {int(final.split()[-1]) + rng.choice((-1, 1))}"])}
+        slipped.append(row)
+    return slipped
+
+
 @torch.no_grad()
 def measure_accuracy(model, tokenizer, problems: list[dict], greedy: bool, seed: int = 0, max_new_tokens: int = 32):
     """Exact-answer accuracy of ``model.generate`` on ``problems`` (left-padded batch, HF generate)."""
@@ -142,11 +161,12 @@ def _new_model(size: str, **config):
 
 
 def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 500,
-                     batch_size: int = 32, learning_rate: float = 3e-3) -> str:
+                     batch_size: int = 32, learning_rate: float = 3e-3, slip_rate: float = 0.5) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
 
     A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B; a ``Qwen3MoeForCausalLM`` for the MOE_SIZES) with
-    the character tokenizer, warmed up with AdamW on the answer tokens of generated problems. Cached: an
+    the character tokenizer, warmed up with AdamW on the answer tokens of generated problems, a ``slip_rate``
+    share of them slipping on their final line (see the module docstring). Cached: an
     ``out_dir`` whose ``build_info.json`` has the same arguments is reused. Written atomically (temporary
     sibling folder, then rename).
     """
@@ -156,7 +176,8 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     if size not in SIZES and size not in MOE_SIZES:
         raise ValueError(f"size={size!r} is not one of {sorted(SIZES | MOE_SIZES)}")
     out_dir = Path(out_dir)
-    args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate)
+    args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate,
+                slip_rate=slip_rate)
     info_path = out_dir / "build_info.json"
     if info_path.exists() and json.loads(info_path.read_text()).get("args") == args:
         return str(out_dir)
@@ -173,7 +194,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=learning_rate, total_steps=max(1, warmup_steps),
                                                    pct_start=0.1)
-    train = make_problems(warmup_steps * batch_size, seed=seed + 1)
+    train = with_slips(make_problems(warmup_steps * batch_size, seed=seed + 1), slip_rate, seed=seed + 3)
     model.train()
     loss = torch.tensor(float("nan"))
     for step in (bar := tqdm(range(warmup_steps), desc=f"warm-up {size}")):
@@ -218,6 +239,8 @@ if __name__ == "__main__":
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES | MOE_SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=500)
+    parser.add_argument("--slip-rate", type=float, default=0.5, help="share of warm-up answers that slip by one")
     cli = parser.parse_args()
-    path = build_tiny_model(cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps)
+    path = build_tiny_model(cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps,
+                            slip_rate=cli.slip_rate)
     print(Path(path, "build_info.json").read_text())
