@@ -24,11 +24,13 @@ each, every rank builds the same LoRA Qwen3 (``recipes/tiny_gsm8k.py``, non-zero
                       ``reload_weights`` here (the literal TRL call is tried once at the end, outcome recorded).
   full_state_dict     whole-model gather: ``get_model_state_dict(model, StateDictOptions(full_state_dict=True))``
                       on every rank, then W + scaling*(B@A) on the full tensors, pushed in that order.
+  trl_integration     ours inside TRL (``merge.trl``): the sync a TRL ``GRPOTrainer`` runs after
+                      ``use_merged_lora_sync(trainer)``, ``push_merged_lora_to_llm(model, llm)``.
 
 Reported per method: median seconds per sync (interleaved repetitions, the slowest rank per repetition), and
 the peak extra RSS during a sync over RSS before it (the largest over ranks), in MiB and in units of the
 largest decoder layer, both with a consumer that drops each tensor at once (the iterator's own memory) and
-with the real vLLM push (adds vLLM's own reload buffers). Before timing, (a), (c) and (d) are checked equal
+with the real vLLM push (adds vLLM's own reload buffers). Before timing, every merging method is checked equal
 name by name (fp32, 1e-6), and greedy vLLM generations after each push are compared. Then, in the launching
 process (one process, unsharded: the same arithmetic), bf16 drift of the trainer's weights after 1, 10 and
 100 ``merge_adapter()``/``unmerge_adapter()`` cycles vs as many ``merged_lora_params`` passes, with a fixed
@@ -57,9 +59,11 @@ from peft.tuners.lora import LoraLayer
 
 from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
 from merge import decoder_layers, merged_lora_params, normalize_peft_param_name
+from merge.trl import merged_lora_weights, push_merged_lora_to_llm
 from rollout_engine import RolloutEngine
 
-METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict"]
+METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict", "trl_integration"]
+MERGING = ["trl_merge_unmerge", "full_state_dict", "trl_integration"]  # must equal ours, tensor by tensor
 MIB = 2**20
 
 
@@ -137,6 +141,8 @@ def iterator(method: str, model: PeftModel, dtype: torch.dtype):
         return trl_params(model)
     if method == "full_state_dict":
         return full_state_dict_params(model, dtype)
+    if method == "trl_integration":
+        return merged_lora_weights(model, dtype)
     raise ValueError(method)
 
 
@@ -144,6 +150,8 @@ def sync(engine: RolloutEngine, method: str, model: PeftModel) -> None:
     """Push ``model`` into ``engine`` the way ``method`` does; ours is the recipe's own `RolloutEngine.sync_merged`."""
     if method == "merged_lora_params":
         SYNC_OF_THE_RECIPE(engine, model)
+    elif method == "trl_integration":
+        push_merged_lora_to_llm(model, engine.llm, engine.dtype)
     else:
         engine.push_weights(iterator(method, model, engine.dtype))
 
@@ -249,11 +257,11 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
         del before
     names = set(collected["merged_lora_params"])
     worst = {"merged_lora_params": 0.0}
-    for method in ("trl_merge_unmerge", "full_state_dict", "plain_push"):
+    for method in (*MERGING, "plain_push"):
         got = collected[method]
         assert set(got) == names, f"{method} names differ from merged_lora_params: {sorted(set(got) ^ names)[:5]}"
         worst[method] = max((got[n] - collected["merged_lora_params"][n]).abs().max().item() for n in names)
-    for method in ("trl_merge_unmerge", "full_state_dict"):
+    for method in MERGING:
         assert worst[method] <= 1e-6, f"{method} differs from merged_lora_params by {worst[method]}"
     assert worst["plain_push"] > 0, "the adapter should change the weights (lora_B is non-zero)"
     del collected
@@ -275,7 +283,7 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
         same = tokens == ref_tokens
         vllm_check[method] = dict(same_greedy_tokens_as_merged_lora_params=same, max_abs_logprob_diff=(
             max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) if same else None))
-    for method in ("trl_merge_unmerge", "full_state_dict"):
+    for method in MERGING:
         assert vllm_check[method]["same_greedy_tokens_as_merged_lora_params"], f"vLLM after {method} differs"
     say(f"correct: max |diff| vs merged_lora_params {worst}; greedy vLLM after each push {vllm_check}")
 

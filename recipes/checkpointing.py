@@ -116,6 +116,21 @@ def _on_rank0(rank: int, action) -> None:
         raise RuntimeError("rank 0 failed to write a checkpoint (its log says why)")
 
 
+def rng_state() -> dict:
+    """This process's RNG states: Python's and torch's (CPU, and CUDA when present; the engine samples from them)."""
+    state = dict(python=random.getstate(), torch=torch.get_rng_state())
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def checkpoint_path(run_dir: Path, global_step: int) -> Path:
     return run_dir / f"{CHECKPOINT_PREFIX}{global_step}"
 
@@ -131,9 +146,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, trainer_state: d
     """Write ``checkpoint-<global_step>`` (collective); then keep only the newest ``save_total_limit``."""
     adapter = full_adapter_state(model)
     optim = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    rng = dict(python=random.getstate(), torch=torch.get_rng_state())
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
+    rng = rng_state()
     rngs = [None] * dist.get_world_size() if dist.is_initialized() else [rng]
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
@@ -211,8 +224,5 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, config: dict, rank:
     state = json.loads((path / "trainer_state.json").read_text())
     rngs = torch.load(path / "rng_state.pth", weights_only=False)
     if rank < len(rngs):
-        random.setstate(rngs[rank]["python"])
-        torch.set_rng_state(rngs[rank]["torch"])
-        if "cuda" in rngs[rank] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rngs[rank]["cuda"])
+        set_rng_state(rngs[rank])
     return state

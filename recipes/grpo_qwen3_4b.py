@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from checkpointing import (check_resumable, checkpoint_path, list_checkpoints, load_checkpoint, resolve_checkpoint,
-                           save_adapter, save_checkpoint)
+                           rng_state, save_adapter, save_checkpoint, set_rng_state)
 from grpo_config import ConfigError, RecipeConfig, config_to_dict, load_config
 from grpo_data import (check_reward_columns, group_advantages, held_out_problems, load_problems, load_reward_funcs,
                        make_batch, score, select, tokenize_prompts)
@@ -149,7 +149,11 @@ def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
 
 def check_memory(cfg: RecipeConfig, world: int, device: torch.device, fsdp: FSDPSettings) -> None:
     """Log the memory plan per device; stop before loading anything if its largest phase cannot fit."""
-    plan = memory_plan(AutoConfig.from_pretrained(cfg.model.name_or_path), cfg, world,
+    try:
+        model_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r} holds no model config: {err}") from None
+    plan = memory_plan(model_config, cfg, world,
                        checkpointing=cfg.gradient_checkpointing or fsdp.activation_checkpointing,
                        compute_dtype="bfloat16" if fsdp.mixed_precision == "bf16" else cfg.model.dtype)
     available = device_memory_bytes(device)
@@ -227,13 +231,12 @@ def setup(cfg: RecipeConfig) -> Run:
     check_shared_output_dir(run_dir, rank, world)
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
     prepare_model_path(cfg, rank)
-    check_memory(cfg, world, device, fsdp)
-
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     reward_funcs = dict(zip(cfg.reward_funcs, load_reward_funcs(cfg.reward_funcs)))
     problems = load_problems(cfg)
     check_reward_columns(cfg, list(reward_funcs.values()), problems)
+    check_memory(cfg, world, device, fsdp)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     problems = tokenize_prompts(cfg, tokenizer, problems)
     random.Random(cfg.seed).shuffle(problems)
@@ -628,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
 
     signum, rollout_step = 0, run.resumed_rollout_step
     for rollout_step in range(run.resumed_rollout_step + 1, run.num_rollout_steps + 1):
-        t_step = time.perf_counter()
+        t_step, rng_at_start = time.perf_counter(), rng_state()  # the engine samples from the process's RNG
         lora_request, phases = sync_weights(run, rollout_step)
         if eval_due(run, rollout_step - 1):  # the weights after the previous rollout step, as the engine serves them
             evaluate(run, rollout_step - 1, lora_request)
@@ -637,6 +640,7 @@ def main(argv: list[str] | None = None) -> None:
         signum = stop.agreed()
         if signum:  # abandon this step: nothing was updated yet, so the state is the one after the previous one
             rollout_step -= 1
+            set_rng_state(rng_at_start)  # the resumed run samples this step as it would have
             save(run, rollout_step)
             break
 

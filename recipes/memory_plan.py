@@ -1,6 +1,7 @@
 """Memory per device for each phase of a rollout step, estimated from the model's config alone (no weights).
 
     python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --world 1 8 [overrides]
+    python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape   # no hub needed
 
 The recipe prints this plan at start and stops before loading anything when the largest phase does not fit on the
 device. The terms (per device, bytes):
@@ -128,12 +129,19 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--world", type=int, nargs="+", default=[1, 8], help="processes (GPUs) to plan for")
     parser.add_argument("--device-gib", type=float, default=80.0, help="memory of one device")
+    parser.add_argument("--qwen3-4b-shape", action="store_true",
+                        help="plan for Qwen3-4B's architecture (recipes/qwen3_4b_shape.py) instead of model.name_or_path")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     from transformers import AutoConfig
 
     cfg = load_config(args.config, args.overrides)
-    model_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    if args.qwen3_4b_shape:
+        from qwen3_4b_shape import qwen3_4b_config
+
+        model_config = qwen3_4b_config()
+    else:
+        model_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
     for world in args.world:
         for checkpointing in (True, False):
             plan = memory_plan(model_config, cfg, world, checkpointing)

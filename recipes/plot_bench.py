@@ -25,6 +25,7 @@ METHODS = {
     "plain_push": "plain push\n(floor)",
     "trl_merge_unmerge": "TRL merge/\nunmerge",
     "full_state_dict": "full state\ndict",
+    "trl_integration": "ours in TRL\n(merge.trl)",
 }
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -43,13 +44,13 @@ def rollout_panel(ax, rollout: dict) -> None:
     width = 0.26
     for j, (mode, name) in enumerate(MODES):
         xs = [i + (j - 1) * width for i in range(len(results))]
-        ax.bar(xs, [r["tokens_per_s"][mode] for r in results], width, label=name, color=f"C{j}")
+        ax.bar(xs, [r["tokens_per_s"].get(mode) or 0 for r in results], width, label=name, color=f"C{j}")
     for i, r in enumerate(results):
-        top = max(r["tokens_per_s"].values())
-        ax.text(i, top * 1.15, f"{r['merged_over_base']:.2f}× base\n{r['merged_over_lora']:.1f}× LoRA",
-                ha="center", va="bottom", fontsize=6)
+        top = max(v for v in r["tokens_per_s"].values() if v)
+        lora = (f"{r['merged_over_lora']:.1f}× LoRA" if r.get("merged_over_lora") else "no vLLM LoRA")
+        ax.text(i, top * 1.15, f"{r['merged_over_base']:.2f}× base\n{lora}", ha="center", va="bottom", fontsize=6)
     ax.set_yscale("log")
-    ax.set_ylim(top=max(max(r["tokens_per_s"].values()) for r in results) * 6)
+    ax.set_ylim(top=max(max(v for v in r["tokens_per_s"].values() if v) for r in results) * 6)
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels([f"{r['size']}, {DTYPES.get(r['dtype'], r['dtype'])}\n{r['parameters'] / 1e6:.1f}M params"
                         for r in results], fontsize=6)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generation=2", "num_generations=4",
-             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true", "learning_rate=5e-5"]
+             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true", "learning_rate=5e-5",
+             "eval_steps=null"]
 
 
 def launch_command(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml") -> list[str]:

@@ -11,7 +11,7 @@ from peft import PeftModel
 import checkpointing
 from checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from grpo_config import ConfigError, load_config
-from parallel import init_distributed
+from parallel import fsdp_settings
 from recipe_runs import run_recipe
 from rollout_engine import check_vllm_lora_targets
 from qwen3_lora import tiny_lora, tiny_qwen3
@@ -126,11 +126,9 @@ def test_missing_model_path_is_named(tmp_path):
     assert "model.name_or_path='/no/such/model' does not exist locally" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_fsdp_version_1_accelerate_config_is_refused(monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(ConfigError, match="asks for FSDP version 1; this recipe shards with FSDP2 only"):
-        init_distributed()
+def test_fsdp_version_1_accelerate_config_is_refused():
+    with pytest.raises(ConfigError, match="fsdp_version='1' is not supported: this recipe shards with FSDP2 only"):
+        fsdp_settings({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
 
 
 def test_vllm_lora_targets_are_checked():
@@ -144,7 +142,7 @@ def test_vllm_lora_targets_are_checked():
     (["lora.merge=false", "lora.r=64", "vllm.max_lora_rank=32"], "lora.r=64 exceeds vllm.max_lora_rank=32"),
     (["lora.merge=false", "lora.r=1024"], "vLLM allows ranks up to 512"),
     (["lora.merge=false", "lora.modules_to_save=[lm_head]"], "vLLM's LoRA cannot serve lora.modules_to_save"),
-    (["save_total_limit=0"], "save_total_limit=0 must be >= 1 or null"),
+    (["save_total_limit=0"], "save_total_limit=0 is out of range: it must be >= 1 or null"),
 ])
 def test_adapters_vllm_or_merge_cannot_serve_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

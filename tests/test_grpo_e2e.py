@@ -69,7 +69,7 @@ def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype
     assert proc.returncode != 0
     assert "broken or skipped weight sync" in proc.stderr
     assert len(metrics) <= 4, [m["rollout_logprob_diff_mean"] for m in metrics]
-    limit = {"float32": 1e-4, "bfloat16": 1e-2}[dtype]
+    limit = {"float32": 1e-4, "bfloat16": 2e-2}[dtype]
     assert metrics[0]["rollout_logprob_diff_mean"] <= limit / 4  # rollout step 1: nothing trained yet
     assert metrics[-1]["rollout_logprob_diff_mean"] > limit
 
@@ -84,7 +84,7 @@ def test_bf16_trains_fp32_adapters_with_the_guard_armed(tmp_path, tiny_model, me
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert len(metrics) == 3
     for m in metrics:
-        assert m["rollout_logprob_diff_mean"] <= 1e-2 / 2, m  # well inside the default bf16 guard
+        assert m["rollout_logprob_diff_mean"] <= 2e-2 / 4, m  # well inside the default bf16 guard
         assert m["ratio_onpolicy_maxdev"] <= 1e-5, m
         assert m["sync_changed_trainer"] == 0, m
     adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
