@@ -3,10 +3,11 @@
     python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
         --out results/grpo_metrics.png
 
-Panels: PPO ratio per step (log scale: the legacy padding path blows up), |vLLM - trainer| log-prob per
-step, rollout tokens/s, mean reward, wall time of a whole step and of the weight sync. One line per run,
-labelled from its metrics (merge on/off, legacy padding). The table (printed, and written beside the PNG as
-JSON) gives each run's medians: the end-to-end step time of merge on vs off comes from the runs' own metrics.
+Panels: PPO ratio per rollout step (log scale: the legacy padding path blows up), |vLLM - trainer| log-prob,
+rollout tokens/s, mean reward, held-out accuracy (greedy: dots, sampled at the training temperature: crosses;
+from the runs' eval lines), wall time of a whole rollout step and of the weight sync. One line per run, labelled
+from its metrics (merge on/off, legacy padding, TRL's trainer, the model). The table (printed, and written beside
+the PNG as JSON) gives each run's medians and its reward and held-out accuracy at the start and the end.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ PANELS = [
     ("rollout_logprob_diff_mean", "|vLLM − trainer| log-prob", True),
     ("rollout_tokens_per_s", "rollout tokens / s", False),
     ("reward_mean", "mean reward", False),
-    ("step_s", "step wall time (s)", False),
+    ("eval_reward_greedy", "held-out accuracy", False),
+    ("step_s", "rollout step wall time (s)", False),
     ("sync_s", "weight sync (s)", True),
 ]
 SUMMARY = ["step_s", "rollout_s", "sync_s", "update_s", "rollout_tokens_per_s"]
@@ -45,56 +47,90 @@ def read_metrics(run: Path) -> list[dict]:
 def label(rows: list[dict]) -> str:
     first = rows[0]
     text = "merged weights" if first.get("merge") else "vLLM LoRA"
-    return text + (", legacy padding" if first.get("legacy_slice") else "")
+    if first.get("trainer") == "trl":
+        text = "TRL GRPOTrainer + merged sync"
+    return text + (", legacy padding" if first.get("legacy_slice") else "") + (f", {first['model']}"
+                                                                                if first.get("model") else "")
+
+
+def split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the rollout steps' lines, the evaluation lines) of a metrics.jsonl."""
+    return [r for r in rows if "reward_mean" in r], [r for r in rows if "eval_reward_greedy" in r]
 
 
 def plot(runs: list[Path], out: Path) -> Path:
     plt.rcParams.update({"font.family": "serif", "font.size": 9, "axes.spines.top": False,
                          "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3})
-    fig, axes = plt.subplots(2, 3, figsize=(9.0, 4.8), constrained_layout=True)
+    fig, axes = plt.subplots(2, 4, figsize=(11.0, 4.8), constrained_layout=True)
     styles = ["-", "--", ":", "-."]  # identical curves (merge on and off sample the same tokens) stay visible
     for i, run in enumerate(runs):
-        rows = read_metrics(run)
-        steps = [r["rollout_step"] for r in rows]
+        rows, evals = split(read_metrics(run))
         for ax, (key, title, log) in zip(axes.flat, PANELS):
-            values = [max(r.get(key, float("nan")), 1e-12) if log else r.get(key, float("nan")) for r in rows]
+            source = evals if key.startswith("eval_") else rows
+            steps = [r["rollout_step"] for r in source]
+            values = [r.get(key, float("nan")) for r in source]
+            values = [max(v, 1e-12) for v in values] if log else values
             line, = ax.plot(steps, values, linestyle=styles[i % len(styles)], marker="o", markersize=2,
                             linewidth=1, label=label(rows))
             if key == "ratio_mean" and "ratio_max" in rows[0]:  # the extreme token, thin, same colour
                 ax.plot(steps, [r["ratio_max"] for r in rows], color=line.get_color(), linewidth=0.6, alpha=0.5)
+            if key == "eval_reward_greedy":  # sampled at the training temperature, dashed, same colour
+                ax.plot(steps, [r["eval_reward_sampled"] for r in source], color=line.get_color(), linewidth=1,
+                        linestyle=styles[i % len(styles)], marker="x", markersize=4)
             ax.set_title(title)
             ax.set_xlabel("rollout step")
             if log:
                 ax.set_yscale("log")
     axes.flat[0].set_title("PPO ratio: mean (thick), max (thin)")
     axes.flat[0].axhline(1.0, color="black", linewidth=0.6, linestyle="--")
-    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", ncol=len(runs), frameon=False)
+    axes.flat[4].set_title("held-out accuracy: greedy (•), sampled (×)")
+    axes.flat[-1].axis("off")
+    axes.flat[-1].legend(*axes.flat[0].get_legend_handles_labels(), loc="center", frameon=False, fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=150)
     plt.close(fig)
     return out
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def summary(runs: list[Path]) -> list[dict]:
-    """Per run: median of the timing metrics over its steps (step 1 left out: it includes warm-up)."""
+    """Per run: medians of the timing metrics (rollout step 1 left out: it includes warm-ups), the largest
+    deviations of the fidelity metrics, the mean reward of the first and last 10 rollout steps, held-out accuracy
+    at the first and last evaluation."""
     table = []
     for run in runs:
-        rows = read_metrics(run)
+        rows, evals = split(read_metrics(run))
         steady = rows[1:] or rows
-        table.append(dict(run=str(run), label=label(rows), steps=len(rows),
-                          **{f"median_{key}": statistics.median(r[key] for r in steady) for key in SUMMARY if key in rows[0]},
-                          max_abs_ratio_mean_minus_1=max(abs(r["ratio_mean"] - 1) for r in rows),
-                          ratio_max=max(r["ratio_max"] for r in rows) if "ratio_max" in rows[0] else None))
+        row = dict(run=str(run), label=label(rows), steps=len(rows),
+                   **{f"median_{key}": statistics.median(r[key] for r in steady) for key in SUMMARY if key in rows[0]},
+                   max_rollout_logprob_diff_mean=max(r["rollout_logprob_diff_mean"] for r in rows),
+                   reward_first_10=_mean([r["reward_mean"] for r in rows[:10]]),
+                   reward_last_10=_mean([r["reward_mean"] for r in rows[-10:]]))
+        if "ratio_mean" in rows[0]:
+            row.update(max_abs_ratio_mean_minus_1=max(abs(r["ratio_mean"] - 1) for r in rows),
+                       ratio_max=max(r["ratio_max"] for r in rows))
+        if "ratio_onpolicy_maxdev" in rows[0]:
+            row["max_ratio_onpolicy_maxdev"] = max(r["ratio_onpolicy_maxdev"] for r in rows)
+        if evals:
+            row.update({f"eval_{mode}_{when}": evals[i][f"eval_reward_{mode}"]
+                        for mode in ("greedy", "sampled") for when, i in (("first", 0), ("last", -1))})
+        table.append(row)
     return table
 
 
 def print_table(table: list[dict]) -> None:
-    print("| run | steps | median step s | rollout s | sync s | update s | rollout tok/s | max abs(ratio_mean-1) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | steps | median step s | rollout s | sync s | update s | rollout tok/s | reward first 10 -> last 10 "
+          "| held-out greedy | held-out sampled |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         cells = [f"{row.get('median_' + key, float('nan')):.3g}" for key in SUMMARY]
+        held_out = [f"{row['eval_' + m + '_first']:.3f} -> {row['eval_' + m + '_last']:.3f}"
+                    if "eval_greedy_first" in row else "-" for m in ("greedy", "sampled")]
         print(f"| {row['label']} (`{row['run']}`) | {row['steps']} | {' | '.join(cells)} | "
-              f"{row['max_abs_ratio_mean_minus_1']:.2g} |")
+              f"{row['reward_first_10']:.3f} -> {row['reward_last_10']:.3f} | {' | '.join(held_out)} |")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ def write_run(folder, merge, legacy, ratio):
                  rollout_logprob_diff_mean=3e-7, rollout_tokens_per_s=2500.0 if merge else 500.0,
                  reward_mean=0.5 + 0.01 * s, step_s=float(s if merge else 2 * s), sync_s=0.1, rollout_s=1.0,
                  update_s=2.0) for s in range(1, 6)]
+    rows += [dict(rollout_step=s, global_step=4 * s, eval_reward_greedy=0.7 + 0.01 * s, eval_reward_sampled=0.4 + 0.05 * s)
+             for s in (0, 5)]  # evaluation lines: before training and at the end
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
@@ -37,3 +39,5 @@ def test_summary_medians_leave_out_the_warm_up_step(tmp_path):
     assert on["label"] == "merged weights" and off["label"] == "vLLM LoRA"
     assert on["median_step_s"] == 3.5 and off["median_step_s"] == 7.0  # steps 2..5
     assert on["max_abs_ratio_mean_minus_1"] == 4.0 and on["ratio_max"] == 10.0
+    assert on["steps"] == 5 and on["reward_first_10"] == pytest.approx(0.53) == on["reward_last_10"]
+    assert (on["eval_sampled_first"], on["eval_sampled_last"]) == pytest.approx((0.4, 0.65))
