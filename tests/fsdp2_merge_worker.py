@@ -10,12 +10,10 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from bench_common import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
 from merge import decoder_layers, merged_lora_params
-from qwen3_lora import tiny_lora
+from qwen3_lora import shard_and_train, tiny_lora
 
 
 def main():
@@ -26,16 +24,7 @@ def main():
     reference = copy.deepcopy(model)  # same initial weights on every rank
     layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
 
-    for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
-    assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters are not sharded"
-
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    ids = shard_and_train(model, rank)
 
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     local_before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}

@@ -12,12 +12,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers.core_model_loading import revert_weight_conversion
 
-from merge import decoder_layers, merged_lora_params
-from qwen3_lora import tiny_lora
+from merge import merged_lora_params
+from qwen3_lora import shard_and_train, tiny_lora
 from qwen3_moe_lora import tiny_moe_lora
 
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -41,24 +40,10 @@ def saved_merge(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def shard_and_train(model, mp_policy, rank: int):
-    kwargs = {} if mp_policy is None else dict(mp_policy=mp_policy)
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters are not sharded"
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return ids
-
-
 def check_case(name: str, build, mp_policy, rank: int) -> None:
     model = build()
     reference = copy.deepcopy(model)  # same initial weights on every rank
-    ids = shard_and_train(model, mp_policy, rank)
+    ids = shard_and_train(model, rank, mp_policy)
 
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     local_before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}

@@ -1,9 +1,6 @@
 """merged_lora_params against peft's merge_and_unload() on an unsharded copy (plain and 2-process FSDP2)."""
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +9,7 @@ from peft import LoraConfig, get_peft_model
 
 from merge import UnsupportedAdapterError, merged_lora_params, normalize_peft_param_name
 from qwen3_lora import tiny_lora, tiny_qwen3
+from torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,14 +111,5 @@ def test_unsupported_adapters_raise_clearly():
 
 
 def test_fsdp2_two_processes():
-    """torchrun --nproc_per_node 2 on gloo: see tests/fsdp2_merge_worker.py for what each rank asserts."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
-           "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "recipes"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-         str(ROOT / "tests" / "fsdp2_merge_worker.py")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    print(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("FSDP2 MERGE OK") == 2
+    """torchrun, 2 processes on gloo: see tests/fsdp2_merge_worker.py for what each rank asserts."""
+    torchrun("fsdp2_merge_worker.py", ok_marker="FSDP2 MERGE OK", MALLOC_MMAP_THRESHOLD_="65536")

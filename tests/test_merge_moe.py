@@ -18,10 +18,9 @@ from merge import merged_lora_params
 from merge.vllm_compat import has_fused_experts, vllm_unservable_lora_targets
 from qwen3_lora import tiny_lora
 from qwen3_moe_lora import EXPERTS, tiny_moe_lora, tiny_qwen3_moe
+from torchrun import WORKER_ENV, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-              "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "recipes"))}
 PRECISIONS = {  # name: (base dtype, peft's autocast_adapter_dtype)
     "fp32": (torch.float32, True),
     "bf16 base, fp32 adapters": (torch.bfloat16, True),
@@ -125,15 +124,8 @@ def test_vllm_unservable_lora_targets():
 
 
 def test_fsdp2_two_processes_moe_and_mixed_precision():
-    """torchrun --nproc_per_node 2 on gloo: see tests/fsdp2_moe_merge_worker.py for what each rank asserts."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519",
-         str(ROOT / "tests" / "fsdp2_moe_merge_worker.py")],
-        env=WORKER_ENV, capture_output=True, text=True, timeout=300,
-    )
-    print(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("FSDP2 MOE MERGE OK") == 2
+    """torchrun, 2 processes on gloo: see tests/fsdp2_moe_merge_worker.py for what each rank asserts."""
+    torchrun("fsdp2_moe_merge_worker.py", ok_marker="FSDP2 MOE MERGE OK")
 
 
 def test_vllm_serves_the_merged_moe(tmp_path):
@@ -142,7 +134,7 @@ def test_vllm_serves_the_merged_moe(tmp_path):
     See tests/vllm_moe_push_worker.py for what is measured."""
     out = tmp_path / "errors.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_moe_push_worker.py"), str(out)],
-                          env={**WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True, text=True,
+                          env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     errors = json.loads(out.read_text())

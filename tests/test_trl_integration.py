@@ -6,8 +6,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +17,7 @@ import torch  # noqa: E402
 from merge import UnsupportedAdapterError  # noqa: E402
 from merge.trl import (MergedLoraSync, UnsupportedTRLVersionError, check_trl_version,  # noqa: E402
                        install_merged_lora_sync, merged_lora_weights, use_merged_lora_sync, vllm_engine_kwargs)
+from torchrun import torchrun  # noqa: E402
 from trl_helpers import (RecordingVLLMClient, broadcast_recorded, completion_logprobs, expected_tensors,  # noqa: E402
                          max_abs_diff, merged_copy, params_digest, randomize_lora_b)
 
@@ -191,15 +190,8 @@ def test_stock_trl_bf16_drifts_and_cannot_load_into_vllm_cpu(tiny_model, tmp_pat
 
 
 def test_fsdp2_two_processes(tiny_model):
-    """torchrun --nproc_per_node 2 on gloo: see tests/trl_fsdp2_worker.py for what each rank asserts."""
-    env = {**LAUNCH_ENV, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "recipes", ROOT / "tests"))}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29543", str(ROOT / "tests" / "trl_fsdp2_worker.py"), tiny_model],
-                          env=env, capture_output=True, text=True, timeout=600)
-    print(proc.stdout[-2000:])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("TRL FSDP2 OK") == 2
+    """torchrun, 2 processes on gloo: see tests/trl_fsdp2_worker.py for what each rank asserts."""
+    torchrun("trl_fsdp2_worker.py", tiny_model, ok_marker="TRL FSDP2 OK", base_env=LAUNCH_ENV)
 
 
 @pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "1.17.0.dev0", "1.16.0rc1", "2.0.0"])
