@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Regenerates every file in results/ (after `bash setup.sh`), one job after another on a quiet machine:
-# the timings are only comparable when nothing else shares the cores. ~25 min on the 2-core CPU machine.
+# Regenerates every file in results/ (after `bash setup.sh`), one job after another on a quiet machine: the
+# timings are only comparable when nothing else shares the cores. ~35 min on the 2-core CPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
-launch=(.venv/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_qwen3_4b.py
-        --config recipes/configs/tiny_cpu.yaml)
-# A new run refuses to overwrite checkpoints; checkpoints are not committed, so clear them first.
-rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy
-"${launch[@]}"                                                   # README's main command
-"${launch[@]}" lora.merge=false run_name=tiny-cpu-lora
-"${launch[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
+launch=(.venv/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml)
+tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml)
+# A new run refuses to overwrite checkpoints; checkpoints are not committed, so clear the runs first.
+rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/tiny-cpu-bf16-merge \
+       results/tiny-cpu-bf16-lora results/tiny-moe-cpu-merge results/trl-tiny-cpu
+"${launch[@]}" "${tiny[@]}"                                                   # README's main command
+"${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
+"${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
+"${launch[@]}" "${tiny[@]}" model.dtype=bfloat16 max_steps=80 run_name=tiny-cpu-bf16-merge
+"${launch[@]}" "${tiny[@]}" model.dtype=bfloat16 max_steps=80 lora.merge=false run_name=tiny-cpu-bf16-lora
+"${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_moe_cpu.yaml
+"${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
-.venv/bin/python recipes/bench_rollout.py --out results/bench_rollout.json
+.venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-bf16-merge results/tiny-cpu-bf16-lora \
+    results/tiny-moe-cpu-merge results/trl-tiny-cpu --out results/grpo_variants.png
+.venv/bin/python recipes/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
 .venv/bin/python recipes/bench_sync.py --out results/bench_sync.json
 .venv/bin/python recipes/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
+.venv/bin/python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape --world 1 8 \
+    > results/memory_plan_qwen3_4b.txt
