@@ -6,8 +6,9 @@
 Panels: PPO ratio per rollout step (log scale: the legacy padding path blows up), |vLLM - trainer| log-prob,
 rollout tokens/s, mean reward, held-out accuracy (greedy: dots, sampled at the training temperature: crosses;
 from the runs' eval lines), wall time of a whole rollout step and of the weight sync. One line per run, labelled
-from its metrics (merge on/off, legacy padding, TRL's trainer, the model). The table (printed, and written beside
-the PNG as JSON) gives each run's medians and its reward and held-out accuracy at the start and the end.
+from its metrics and config.yaml (merge on/off, legacy padding, TRL's trainer, bf16, MoE). The table (printed,
+and written beside the PNG as JSON) gives each run's medians and its reward and held-out accuracy at the start
+and the end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 from pathlib import Path
 
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -44,13 +46,22 @@ def read_metrics(run: Path) -> list[dict]:
     return rows
 
 
-def label(rows: list[dict]) -> str:
+def label(rows: list[dict], config: dict) -> str:
+    """What tells a run apart: how vLLM serves the policy, the trainer, the padding rule, the dtype, an MoE model."""
     first = rows[0]
-    text = "merged weights" if first.get("merge") else "vLLM LoRA"
-    if first.get("trainer") == "trl":
-        text = "TRL GRPOTrainer + merged sync"
-    return text + (", legacy padding" if first.get("legacy_slice") else "") + (f", {first['model']}"
-                                                                                if first.get("model") else "")
+    text = "TRL GRPOTrainer + merged sync" if first.get("trainer") == "trl" else (
+        "merged weights" if first.get("merge") else "vLLM LoRA")
+    model = config.get("model", {})
+    dtype = model.get("dtype") if isinstance(model, dict) else config.get("dtype")
+    extras = [("legacy padding" if first.get("legacy_slice") else None), ("bf16" if dtype == "bfloat16" else None),
+              ("MoE" if "moe" in str(model.get("build_tiny") if isinstance(model, dict) else "") else None)]
+    return ", ".join([text, *(e for e in extras if e)])
+
+
+def read_config(run: Path) -> dict:
+    """The run's config.yaml (beside its metrics.jsonl), or {} when there is none."""
+    path = (run if run.is_dir() else run.parent) / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
 def split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -71,7 +82,7 @@ def plot(runs: list[Path], out: Path) -> Path:
             values = [r.get(key, float("nan")) for r in source]
             values = [max(v, 1e-12) for v in values] if log else values
             line, = ax.plot(steps, values, linestyle=styles[i % len(styles)], marker="o", markersize=2,
-                            linewidth=1, label=label(rows))
+                            linewidth=1, label=label(rows, read_config(run)))
             if key == "ratio_mean" and "ratio_max" in rows[0]:  # the extreme token, thin, same colour
                 ax.plot(steps, [r["ratio_max"] for r in rows], color=line.get_color(), linewidth=0.6, alpha=0.5)
             if key == "eval_reward_greedy":  # sampled at the training temperature, dashed, same colour
@@ -104,7 +115,7 @@ def summary(runs: list[Path]) -> list[dict]:
     for run in runs:
         rows, evals = split(read_metrics(run))
         steady = rows[1:] or rows
-        row = dict(run=str(run), label=label(rows), steps=len(rows),
+        row = dict(run=str(run), label=label(rows, read_config(run)), steps=len(rows),
                    **{f"median_{key}": statistics.median(r[key] for r in steady) for key in SUMMARY if key in rows[0]},
                    max_rollout_logprob_diff_mean=max(r["rollout_logprob_diff_mean"] for r in rows),
                    reward_first_10=_mean([r["reward_mean"] for r in rows[:10]]),
