@@ -98,8 +98,8 @@ def bench(size: str, dtype: str, args) -> dict:
                   merged_over_lora=tokens_per_s["merged"] / tokens_per_s["lora"] if tokens_per_s["lora"] else None,
                   raw={mode: [[t, s] for t, s in values] for mode, values in runs.items()},
                   wall_s=round(time.perf_counter() - start, 1))
-    print(f"[{size} {dtype}] {result['wall_s']:.0f} s: tokens/s {({k: round(v) for k, v in tokens_per_s.items()})}",
-          flush=True)
+    shown = {mode: round(value) for mode, value in tokens_per_s.items() if value is not None}
+    print(f"[{size} {dtype}] {result['wall_s']:.0f} s: tokens/s {shown}", flush=True)
     return result
 
 

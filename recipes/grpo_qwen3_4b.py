@@ -62,6 +62,7 @@ from grpo_loss import (LossSettings, accumulate_stats, grpo_loss, high_entropy_m
 from memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding import packed_log_probs
+from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
 from parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_shared_output_dir, fsdp_settings, init_distributed,
                       reduce_across_ranks)
 from rollout_engine import RolloutEngine, check_vllm_lora_targets, engine_kwargs

@@ -21,11 +21,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 MODES = [("base", "base weights"), ("merged", "merged LoRA"), ("lora", "vLLM LoRA")]
 METHODS = {
-    "merged_lora_params": "ours\n(layer-wise)",
-    "plain_push": "plain push\n(floor)",
-    "trl_merge_unmerge": "TRL merge/\nunmerge",
-    "full_state_dict": "full state\ndict",
-    "trl_integration": "ours in TRL\n(merge.trl)",
+    "merged_lora_params": "ours\n(layer-\nwise)",
+    "plain_push": "plain\npush\n(floor)",
+    "trl_merge_unmerge": "TRL\nmerge+\nunmerge",
+    "full_state_dict": "full\nstate\ndict",
+    "trl_integration": "ours\nin TRL\n(merge.trl)",
 }
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -63,14 +63,14 @@ def sync_panels(ax_time, ax_mem, sync: dict) -> None:
     methods = [m for m in METHODS if m in sync["methods"]]
     values = [sync["methods"][m] for m in methods]
     labels = [METHODS[m] for m in methods]
-    colors = ["C2" if m == "merged_lora_params" else "0.6" for m in methods]
+    colors = ["C2" if m in ("merged_lora_params", "trl_integration") else "0.6" for m in methods]
     xs = range(len(methods))
     ax_time.bar(xs, [v["median_s"] for v in values], 0.6, color=colors)
     for x, v in zip(xs, values):
-        ax_time.text(x, v["median_s"], f"{v['over_plain_push']:.2f}× plain", ha="center", va="bottom", fontsize=6)
+        ax_time.text(x, v["median_s"], f"{v['over_plain_push']:.2f}×", ha="center", va="bottom", fontsize=6)
     ax_time.set_xticks(list(xs))
     ax_time.set_xticklabels(labels, fontsize=6)
-    ax_time.set_ylabel("seconds per sync (median)")
+    ax_time.set_ylabel("seconds per sync (median; label: × plain push)")
     ax_time.set_title(f"(b) weight sync time ({sync['settings']['parameters'] / 1e6:.1f}M, FSDP2 x2)"
                       if "settings" in sync else "(b) weight sync time")
 
@@ -94,7 +94,7 @@ def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
     sync = read_json(Path(sync_json), "methods")
     plt.rcParams.update({"font.family": "serif", "font.size": 8, "axes.spines.top": False,
                          "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3, "axes.axisbelow": True})
-    fig, axes = plt.subplots(1, 3, figsize=(9.0, 3.0), constrained_layout=True,
+    fig, axes = plt.subplots(1, 3, figsize=(10.0, 3.3), constrained_layout=True,
                              gridspec_kw=dict(width_ratios=[1.2, 1, 1]))
     rollout_panel(axes[0], rollout)
     sync_panels(axes[1], axes[2], sync)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import padding.packed_attention as packed_attention
 from padding import (
     PackedBatch,
     legacy_slice_response,
@@ -337,7 +338,7 @@ def test_legacy_slice_is_wrong_when_prompt_lengths_differ(batch, seed):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["packed_sdpa", "sdpa", "eager"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_packed_log_probs_equal_the_per_sequence_forward(attn, temperature, monkeypatch):
     model = tiny_qwen3(attn)
@@ -368,6 +369,82 @@ def test_packed_log_probs_equal_the_per_sequence_forward(attn, temperature, monk
             plain_ref = per_sequence_reference(model, ids, mask, response_mask, 1.0)
         assert (plain - plain_ref).abs().max().item() <= 1e-5
         assert (plain - got)[response_mask.bool()].abs().max().item() > 1e-3
+
+
+def spy_on_sdpa(monkeypatch):
+    """Records (query length, mask given, is_causal) of every sdpa call packed_sdpa makes."""
+    calls = []
+    original = packed_attention.sdpa_attention_forward
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape[2], attention_mask is not None, kwargs.get("is_causal")))
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(packed_attention, "sdpa_attention_forward", spy)
+    return calls
+
+
+def test_packed_sdpa_attends_within_each_sample_at_its_own_length(monkeypatch):
+    """One causal sdpa call per sample and layer, on that sample's tokens only: no T x T mask."""
+    model = tiny_qwen3("packed_sdpa")
+    calls = spy_on_sdpa(monkeypatch)
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=1)
+    with torch.no_grad():
+        packed_log_probs(model, ids, mask, response_mask)
+    lengths = [p + r for p, r in zip(MODEL_PROMPTS, MODEL_RESPONSES)]
+    assert calls == [(length, False, True) for _ in range(model.config.num_hidden_layers) for length in lengths]
+
+
+def test_packed_sdpa_loss_and_gradients_equal_the_masked_sdpa():
+    """The same forward and backward as transformers' block-diagonal mask, within fp32 rounding."""
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=4)
+    results = {}
+    for attn in ("packed_sdpa", "sdpa"):
+        model = tiny_qwen3(attn)
+        loss = -(packed_log_probs(model, ids, mask, response_mask, temperature=0.7) * response_mask).sum()
+        loss.backward()
+        results[attn] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (loss, grads), (want_loss, want_grads) = results["packed_sdpa"], results["sdpa"]
+    assert abs(loss.item() - want_loss.item()) <= 1e-4 * abs(want_loss.item())
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert any(g.abs().max() > 0 for n, g in grads.items() if "self_attn" in n)  # attention really trained
+
+
+def test_packed_sdpa_leaves_padded_batches_and_cached_decoding_to_sdpa(monkeypatch):
+    """Anything that is not a packed row runs sdpa with transformers' mask: bitwise the sdpa model's output."""
+    packed_model, sdpa_model = tiny_qwen3("packed_sdpa"), tiny_qwen3("sdpa")
+    calls = spy_on_sdpa(monkeypatch)
+    ids, mask, _ = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=2)
+    with torch.no_grad():
+        got = packed_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        want = sdpa_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(got, want)
+    assert calls and all(length == ids.shape[1] and masked for length, masked, _ in calls)
+    width_p = max(MODEL_PROMPTS)
+    for rows in ([2], [0, 1, 2]):  # greedy decoding with a KV cache: one prompt, then left-padded prompts
+        prompts, prompt_mask = ids[rows, :width_p], mask[rows, :width_p]
+        generated = {name: model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False,
+                                          pad_token_id=0)
+                     for name, model in (("packed_sdpa", packed_model), ("sdpa", sdpa_model))}
+        assert torch.equal(generated["packed_sdpa"], generated["sdpa"])
+
+
+def test_packed_sample_bounds_follow_transformers_rule():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    bounds = packed_attention.packed_sample_bounds(position_ids, 10)
+    assert bounds == [0, 3, 5, 6, 10]
+    sample_of_token = find_packed_sequence_indices(position_ids)[0]
+    for sample, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        assert (sample_of_token[start:end] == sample).all()
+    assert packed_attention.packed_sample_bounds(torch.arange(6)[None], 6) is None  # one sample
+    assert packed_attention.packed_sample_bounds(torch.tensor([[1, 1, 0, 1]]), 4) is None  # left-padded positions
+    assert packed_attention.packed_sample_bounds(torch.tensor([[0, 1, 1, 1, 1]]), 5) is None  # right-padded ones
+    assert packed_attention.packed_sample_bounds(torch.tensor([[5]]), 1) is None  # a decoding step
+    assert packed_attention.packed_sample_bounds(None, 4) is None
 
 
 def per_sequence_entropy(model, ids, attention_mask, response_mask, temperature=1.0):
