@@ -53,8 +53,10 @@ def label(rows: list[dict], config: dict) -> str:
         "merged weights" if first.get("merge") else "vLLM LoRA")
     model = config.get("model", {})
     dtype = model.get("dtype") if isinstance(model, dict) else config.get("dtype")
+    attention = model.get("attn_implementation", "packed_sdpa") if isinstance(model, dict) else "packed_sdpa"
     extras = [("legacy padding" if first.get("legacy_slice") else None), ("bf16" if dtype == "bfloat16" else None),
-              ("MoE" if "moe" in str(model.get("build_tiny") if isinstance(model, dict) else "") else None)]
+              ("MoE" if "moe" in str(model.get("build_tiny") if isinstance(model, dict) else "") else None),
+              (f"{attention} attention" if attention != "packed_sdpa" else None)]
     return ", ".join([text, *(e for e in extras if e)])
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates every file in results/ (after `bash setup.sh`), one job after another on a quiet machine: the
-# timings are only comparable when nothing else shares the cores. ~35 min on the 2-core CPU machine.
+# timings are only comparable when nothing else shares the cores. ~55 min on the 2-core CPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
@@ -8,7 +8,7 @@ launch=(.venv/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2
 tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml)
 # A new run refuses to overwrite checkpoints; checkpoints are not committed, so clear the runs first.
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/tiny-cpu-bf16-merge \
-       results/tiny-cpu-bf16-lora results/tiny-moe-cpu-merge results/trl-tiny-cpu
+       results/tiny-cpu-bf16-lora results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-*
 "${launch[@]}" "${tiny[@]}"                                                   # README's main command
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
@@ -23,5 +23,9 @@ rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy resu
 .venv/bin/python recipes/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
 .venv/bin/python recipes/bench_sync.py --out results/bench_sync.json
 .venv/bin/python recipes/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
+# packed_sdpa (the default) against transformers' sdpa with its block-diagonal mask, one run after the other
+"${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null run_name=tiny-cpu-attn-packed
+"${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null model.attn_implementation=sdpa run_name=tiny-cpu-attn-sdpa
+.venv/bin/python recipes/plot_metrics.py results/tiny-cpu-attn-packed results/tiny-cpu-attn-sdpa --out results/attention.png
 .venv/bin/python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape --world 1 8 \
     > results/memory_plan_qwen3_4b.txt
