@@ -47,12 +47,12 @@ def rollout_panel(ax, rollout: dict) -> None:
         ax.bar(xs, [r["tokens_per_s"].get(mode) or 0 for r in results], width, label=name, color=f"C{j}")
     for i, r in enumerate(results):
         top = max(v for v in r["tokens_per_s"].values() if v)
-        lora = (f"{r['merged_over_lora']:.1f}× LoRA" if r.get("merged_over_lora") else "no vLLM LoRA")
-        ax.text(i, top * 1.15, f"{r['merged_over_base']:.2f}× base\n{lora}", ha="center", va="bottom", fontsize=6)
+        lora = (f"{r['merged_over_lora']:.1f}× LoRA" if r.get("merged_over_lora") else "no LoRA")
+        ax.text(i, top * 1.15, f"{r['merged_over_base']:.2f}× base\n{lora}", ha="center", va="bottom", fontsize=5.5)
     ax.set_yscale("log")
     ax.set_ylim(top=max(max(v for v in r["tokens_per_s"].values() if v) for r in results) * 6)
     ax.set_xticks(range(len(results)))
-    ax.set_xticklabels([f"{r['size']}, {DTYPES.get(r['dtype'], r['dtype'])}\n{r['parameters'] / 1e6:.1f}M params"
+    ax.set_xticklabels([f"{r['size']}\n{DTYPES.get(r['dtype'], r['dtype'])}\n{r['parameters'] / 1e6:.1f}M"
                         for r in results], fontsize=6)
     ax.set_ylabel("tokens / s (median)")
     ax.set_title("(a) rollout throughput")
@@ -94,8 +94,8 @@ def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
     sync = read_json(Path(sync_json), "methods")
     plt.rcParams.update({"font.family": "serif", "font.size": 8, "axes.spines.top": False,
                          "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3, "axes.axisbelow": True})
-    fig, axes = plt.subplots(1, 3, figsize=(10.0, 3.3), constrained_layout=True,
-                             gridspec_kw=dict(width_ratios=[1.2, 1, 1]))
+    fig, axes = plt.subplots(1, 3, figsize=(11.5, 3.4), constrained_layout=True,
+                             gridspec_kw=dict(width_ratios=[1.7, 1, 1]))
     rollout_panel(axes[0], rollout)
     sync_panels(axes[1], axes[2], sync)
     out.parent.mkdir(parents=True, exist_ok=True)

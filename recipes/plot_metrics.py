@@ -53,10 +53,11 @@ def label(rows: list[dict], config: dict) -> str:
         "merged weights" if first.get("merge") else "vLLM LoRA")
     model = config.get("model", {})
     dtype = model.get("dtype") if isinstance(model, dict) else config.get("dtype")
-    attention = model.get("attn_implementation", "packed_sdpa") if isinstance(model, dict) else "packed_sdpa"
+    # the standalone recipe's attention when not its default (TRL's trainer runs padded batches)
+    attention = (model.get("attn_implementation") if isinstance(model, dict) else None) or "packed_sdpa"
     extras = [("legacy padding" if first.get("legacy_slice") else None), ("bf16" if dtype == "bfloat16" else None),
               ("MoE" if "moe" in str(model.get("build_tiny") if isinstance(model, dict) else "") else None),
-              (f"{attention} attention" if attention != "packed_sdpa" else None)]
+              (f"{attention} attention" if attention != "packed_sdpa" and first.get("trainer") != "trl" else None)]
     return ", ".join([text, *(e for e in extras if e)])
 
 
@@ -96,7 +97,7 @@ def plot(runs: list[Path], out: Path) -> Path:
                 ax.set_yscale("log")
     axes.flat[0].set_title("PPO ratio: mean (thick), max (thin)")
     axes.flat[0].axhline(1.0, color="black", linewidth=0.6, linestyle="--")
-    axes.flat[4].set_title("held-out accuracy: greedy (•), sampled (×)")
+    axes.flat[4].set_title("held-out acc.: greedy •, sampled ×")
     axes.flat[-1].axis("off")
     axes.flat[-1].legend(*axes.flat[0].get_legend_handles_labels(), loc="center", frameon=False, fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
