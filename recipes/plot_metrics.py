@@ -51,12 +51,12 @@ def label(rows: list[dict], config: dict) -> str:
     first = rows[0]
     text = "TRL GRPOTrainer + merged sync" if first.get("trainer") == "trl" else (
         "merged weights" if first.get("merge") else "vLLM LoRA")
-    model = config.get("model", {})
-    dtype = model.get("dtype") if isinstance(model, dict) else config.get("dtype")
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    dtype = model.get("dtype") or config.get("dtype")
     # the standalone recipe's attention when not its default (TRL's trainer runs padded batches)
-    attention = (model.get("attn_implementation") if isinstance(model, dict) else None) or "packed_sdpa"
+    attention = model.get("attn_implementation") or "packed_sdpa"
     extras = [("legacy padding" if first.get("legacy_slice") else None), ("bf16" if dtype == "bfloat16" else None),
-              ("MoE" if "moe" in str(model.get("build_tiny") if isinstance(model, dict) else "") else None),
+              ("MoE" if "moe" in str(model.get("build_tiny")) else None),
               (f"{attention} attention" if attention != "packed_sdpa" and first.get("trainer") != "trl" else None)]
     return ", ".join([text, *(e for e in extras if e)])
 

@@ -15,9 +15,10 @@ def torchrun(worker: str, *args: str, ok_marker: str, timeout: int = 600, base_e
     """``torchrun --standalone --nproc_per_node 2 tests/<worker> <args>``; asserts that it succeeded and that both
     ranks printed ``ok_marker`` (each worker prints it after its own assertions passed). The environment is
     ``base_env`` (default: this process's), plus WORKER_ENV, plus ``env``."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / worker), *args], env={**(os.environ if base_env is None else base_env), **WORKER_ENV, **env},
-                          capture_output=True, text=True, timeout=timeout)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / worker), *args]
+    environment = {**(os.environ if base_env is None else base_env), **WORKER_ENV, **env}
+    proc = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count(ok_marker) == 2, proc.stdout[-4000:]
