@@ -37,7 +37,7 @@ class ModelSettings:
     name_or_path: str = "Qwen/Qwen3-4B"
     dtype: str = "bfloat16"  # trainer and vLLM dtype: float32 | bfloat16
     # packed_sdpa (padding/packed_attention.py): each packed sample attends within itself; sdpa/eager spend T^2 on a
-    # block-diagonal mask instead (the update phase takes 1.7x as long on the embedded default: results/attention.json)
+    # block-diagonal mask instead (the update phase takes 1.6x as long on the embedded default: results/attention.json)
     attn_implementation: str = "packed_sdpa"
     build_tiny: str | None = None  # "tiny" | "small": build the embedded default into name_or_path if absent
     build_seed: int = 0

@@ -3,10 +3,11 @@
 No pretrained model can be downloaded on the machines this project is tested on, so the default run trains
 its own: a character-level tokenizer, a ``Qwen3ForCausalLM`` of about a million parameters, and a short
 supervised warm-up on generated problems so that sampling already gets some answers right (GRPO needs
-reward variance within a group). Half of the warm-up's worked answers slip by one on their ``####`` line
-(``with_slips``): the model learns that habit too, so a sampled answer often ends one off even when its working
-is right. That is what GRPO, rewarded for exact answers, visibly unlearns in the default run: sampled reward and
-held-out accuracy rise (README). Everything is deterministic from a seed and cached on disk.
+reward variance within a group). 60% of the warm-up's worked answers slip on their ``####`` line and restate
+their result plus one (``with_slips``): the model learns that habit too, so greedy decoding, which follows the
+majority, mostly answers one too high even when its working is right, and a sampled answer slips as often.
+That is what GRPO, rewarded for exact answers, visibly unlearns in the default run: reward and held-out
+accuracy, greedy and sampled, rise (README). Everything is deterministic from a seed and cached on disk.
 
     python recipes/tiny_gsm8k.py --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
 
@@ -122,17 +123,18 @@ def _encode_example(tokenizer, row: dict) -> tuple[list[int], int]:
 
 
 def with_slips(problems: list[dict], slip_rate: float, seed: int) -> list[dict]:
-    """A ``slip_rate`` share of the worked answers restates its last result off by one on the ``####`` line.
+    """A ``slip_rate`` share of the worked answers restates its last result plus one on the ``####`` line.
 
     The warm-up learns this habit along with the arithmetic: a sampled answer then slips about as often, whatever
-    the problem, which is the room GRPO has to improve (the exact-answer reward penalises every slip).
+    the problem, and above a rate of 0.5 greedy decoding slips too. That is the room GRPO has to improve (the
+    exact-answer reward penalises every slip): once a correct final line outweighs the slip, greedy answers flip.
     """
     rng = random.Random(seed)
     slipped = []
     for row in problems:
         if rng.random() < slip_rate:
             *steps, final = row["answer"].split("\n")
-            row = {**row, "answer": "\n".join([*steps, f"#### {int(final.split()[-1]) + rng.choice((-1, 1))}"])}
+            row = {**row, "answer": "\n".join([*steps, f"#### {int(final.split()[-1]) + 1}"])}
         slipped.append(row)
     return slipped
 
@@ -160,8 +162,8 @@ def _new_model(size: str, **config):
     return Qwen3ForCausalLM(Qwen3Config(**config, **SIZES[size]))
 
 
-def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 500,
-                     batch_size: int = 32, learning_rate: float = 3e-3, slip_rate: float = 0.5) -> str:
+def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 600,
+                     batch_size: int = 32, learning_rate: float = 3e-3, slip_rate: float = 0.6) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
 
     A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B; a ``Qwen3MoeForCausalLM`` for the MOE_SIZES) with
@@ -238,8 +240,8 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="cache/tiny-qwen3-gsm8k")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES | MOE_SIZES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=500)
-    parser.add_argument("--slip-rate", type=float, default=0.5, help="share of warm-up answers that slip by one")
+    parser.add_argument("--warmup-steps", type=int, default=600)
+    parser.add_argument("--slip-rate", type=float, default=0.6, help="share of warm-up answers that end one too high")
     cli = parser.parse_args()
     path = build_tiny_model(cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps,
                             slip_rate=cli.slip_rate)

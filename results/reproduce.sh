@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates every file in results/ (after `bash setup.sh`), one job after another on a quiet machine: the
-# timings are only comparable when nothing else shares the cores. ~55 min on the 2-core CPU machine.
+# timings are only comparable when nothing else shares the cores. ~47 min on the 2-core CPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1

@@ -6,7 +6,8 @@ import re
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tiny_gsm8k import build_tiny_model, build_tokenizer, extract_answer, gsm8k_exact_answer_reward, make_problems
+from tiny_gsm8k import (build_tiny_model, build_tokenizer, extract_answer, gsm8k_exact_answer_reward, make_problems,
+                        with_slips)
 
 
 def test_problems_are_deterministic_per_seed():
@@ -24,6 +25,16 @@ def test_answers_are_correct_arithmetic():
             assert eval(expression) == int(result), line  # noqa: S307 (digits and + - * only)
             value = int(result)
         assert re.fullmatch(r"#### -?\d+", lines[-1]) and int(extract_answer(problem["answer"])) == value
+
+
+def test_slips_restate_the_result_plus_one_on_a_majority_of_answers():
+    """The warm-up's habit: greedy decoding follows a majority, so a slip rate above 0.5 makes greedy answers wrong."""
+    problems = make_problems(2000, seed=4)
+    slipped = with_slips(problems, slip_rate=0.6, seed=5)
+    offsets = [int(extract_answer(s["answer"])) - int(extract_answer(p["answer"])) for p, s in zip(problems, slipped)]
+    assert set(offsets) == {0, 1} and 0.57 < offsets.count(1) / len(offsets) < 0.63
+    for p, s in zip(problems, slipped):  # the working is kept; only the final line changes
+        assert s["question"] == p["question"] and s["answer"].split("\n")[:-1] == p["answer"].split("\n")[:-1]
 
 
 @pytest.mark.parametrize("text, expected", [("2+3=5\n#### 5", "5"), ("#### 1,234", "1234"), ("#### 3 then #### 4", "4"),
