@@ -41,9 +41,9 @@ def base_checkpoint(model_dir: str) -> dict:
             load_file(str(path)).items()}
 
 
-def timed_generate(engine: RolloutEngine, prompts, sampling, lora_request=None) -> tuple[int, float]:
+def timed_generate(engine: RolloutEngine, prompts, sampling) -> tuple[int, float]:
     start = time.perf_counter()
-    samples = engine.generate(prompts, sampling, lora_request=lora_request)
+    samples = engine.generate(prompts, sampling)
     return sum(len(s.completion_ids) for s in samples), time.perf_counter() - start
 
 
@@ -65,9 +65,10 @@ def bench(size: str, dtype: str, args) -> dict:
     peft_model.save_pretrained(adapter_dir)
     common = dict(dtype=dtype, seed=0, max_model_len=512, kv_cache_gb=args.kv_cache_gb)
     plain = RolloutEngine(model_dir, **common)  # the recipe's engine, as merge=true builds it
-    with_lora = None if moe else RolloutEngine(model_dir, **common, max_lora_rank=args.rank)  # as merge=false
+    with_lora = None if moe else RolloutEngine(model_dir, **common, merge=False, max_lora_rank=args.rank)
     base_weights = [(name, tensor.to(getattr(torch, dtype))) for name, tensor in base_checkpoint(model_dir).items()]
-    lora_request = with_lora.serve_adapter(adapter_dir, 1) if with_lora else None
+    if with_lora:
+        with_lora.serve_adapter(adapter_dir, 1)
 
     prompts = [plain.tokenizer(format_prompt(p["question"])).input_ids for p in make_problems(num_prompts, seed=1)]
     sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
@@ -75,7 +76,7 @@ def bench(size: str, dtype: str, args) -> dict:
     runs = {"base": [], "merged": [], "lora": []}
     # warm-up: the first calls (and the first after a reload) build kernels and allocate
     if with_lora:
-        timed_generate(with_lora, prompts, sampling, lora_request)
+        timed_generate(with_lora, prompts, sampling)
     plain.push_weights(iter(base_weights))
     timed_generate(plain, prompts, sampling)
     plain.sync_merged(peft_model)  # the recipe's sync
@@ -86,7 +87,7 @@ def bench(size: str, dtype: str, args) -> dict:
         plain.sync_merged(peft_model)
         runs["merged"].append(timed_generate(plain, prompts, sampling))
         if with_lora:
-            runs["lora"].append(timed_generate(with_lora, prompts, sampling, lora_request))
+            runs["lora"].append(timed_generate(with_lora, prompts, sampling))
     for engine in (plain, with_lora):  # frees the engines' memory before the next size
         if engine:
             engine.close()

@@ -4,7 +4,7 @@
         adapter_config.json, adapter_model.safetensors  peft `save_pretrained` layout (peft and vLLM load it)
         optimizer.pt        the optimizer's full (unsharded) state, keyed by parameter name
         scheduler.pt        the LR scheduler's state
-        rng_state.pth       Python and torch RNG states, one entry per rank
+        rng_state.pth       Python, numpy and torch RNG states, one entry per rank
         trainer_state.json  rollout_step, global_step (optimizer steps), data position, world size
         config.yaml         the run's resolved config (a resume must not quietly change it)
 
@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -117,8 +118,9 @@ def _on_rank0(rank: int, action) -> None:
 
 
 def rng_state() -> dict:
-    """This process's RNG states: Python's and torch's (CPU, and CUDA when present; the engine samples from them)."""
-    state = dict(python=random.getstate(), torch=torch.get_rng_state())
+    """This process's RNG states: Python's, numpy's and torch's (CPU, and CUDA when present). The engine samples
+    from them: vLLM 0.32's GPU model runner (V2) draws each request's sampling seed from numpy's global RNG."""
+    state = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -126,6 +128,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
+    if "numpy" in state:  # checkpoints written before numpy's state was saved
+        np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

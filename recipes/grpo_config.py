@@ -84,7 +84,9 @@ class VLLMSettings:
     gpu_memory_utilization: float = 0.3  # GPU only: vLLM needs this share of the GPU free at start (TRL's default)
     enable_sleep_mode: bool = False  # GPU only: release weights and KV cache while the trainer updates (as TRL)
     enforce_eager: bool = True
-    max_num_seqs: int = 256
+    # sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL sizes it)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int = 4096  # tokens per engine step (TRL's value; at least max_model_len)
     max_lora_rank: int | None = None  # merge=false: defaults to lora.r
     # stop when the mean |vLLM - trainer| old log-prob exceeds this (a broken sync); null: the model.dtype's default
     max_logprob_diff: float | None = None
@@ -272,6 +274,7 @@ RANGES = {
     "vllm.kv_cache_gb": (_above(0), "> 0"),
     "vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "vllm.max_num_seqs": (_at_least(1), ">= 1"),
+    "vllm.max_num_batched_tokens": (_at_least(1), ">= 1"),
     "vllm.max_lora_rank": (lambda v: v in VLLM_LORA_RANKS, f"one of vLLM's {list(VLLM_LORA_RANKS)}"),
     "vllm.max_logprob_diff": (_above(0), "> 0"),
 }

@@ -54,7 +54,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from checkpointing import (check_resumable, checkpoint_path, list_checkpoints, load_checkpoint, resolve_checkpoint,
                            rng_state, save_adapter, save_checkpoint, set_rng_state)
-from grpo_config import ConfigError, RecipeConfig, config_to_dict, load_config
+from grpo_config import MAX_LOGPROB_DIFF, ConfigError, RecipeConfig, config_to_dict, load_config
 from grpo_data import (check_reward_columns, group_advantages, held_out_problems, load_problems, load_reward_funcs,
                        make_batch, score, select, tokenize_prompts)
 from grpo_loss import (LossSettings, accumulate_stats, grpo_loss, high_entropy_mask, reduce_op,
@@ -63,12 +63,14 @@ from memory_plan import check_fits, device_memory_bytes, format_plan, memory_pla
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding import packed_log_probs
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
-from parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_shared_output_dir, fsdp_settings, init_distributed,
-                      reduce_across_ranks)
-from rollout_engine import RolloutEngine, check_vllm_lora_targets, engine_kwargs
+from parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_same_weights, check_shared_output_dir,
+                      fsdp_settings, init_distributed, reduce_across_ranks)
+from rollout_engine import RolloutEngine, check_vllm_lora_targets, engine_kwargs, recipe_engine_args
 from trackers import Trackers, check_report_to
 
 log = logging.getLogger("grpo")
+GUARD_BASELINE_MULTIPLE = 10  # the guard's limit is at least this many times the first step's |vLLM - trainer|
+GUARD_BASELINE_CEILING = 50  # x the dtype's default: a first step this far off is a broken sync, not kernels
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Run:
     num_rollout_steps: int
     resumed_rollout_step: int  # 0 for a fresh run
     last_checkpoint: Path | None = None
+    logprob_diff_baseline: float | None = None  # mean |vLLM - trainer| at the first rollout step (LoRA B = 0)
 
     @property
     def updates_per_rollout(self) -> int:
@@ -164,7 +167,7 @@ def check_memory(cfg: RecipeConfig, world: int, device: torch.device, fsdp: FSDP
         raise ConfigError(problem)
 
 
-def build_policy(cfg: RecipeConfig, device: torch.device, world: int, fsdp: FSDPSettings):
+def build_policy(cfg: RecipeConfig, device: torch.device, rank: int, world: int, fsdp: FSDPSettings):
     """The base model with a fresh fp32 LoRA adapter, sharded with FSDP2 when there is more than one process.
 
     Returns (model, compute dtype). The base weights keep model.dtype; the adapter is fp32 whatever the base (peft's
@@ -174,7 +177,10 @@ def build_policy(cfg: RecipeConfig, device: torch.device, world: int, fsdp: FSDP
     dtype = getattr(torch, cfg.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
-    ).to(device)
+    )
+    digest = check_same_weights(model, rank, world)  # FSDP2 shards whatever each rank loaded, without a check
+    log.info("base weights identical on all %d process(es) before sharding (sha1 %s)", world, digest)
+    model = model.to(device)
     if not cfg.lora.merge:
         check_vllm_lora_targets(model, cfg.lora.target_modules)
     if cfg.gradient_checkpointing or fsdp.activation_checkpointing:
@@ -211,13 +217,8 @@ def setup(cfg: RecipeConfig) -> Run:
     """Processes, run folder, data, policy, optimizer, rollout engine; resumed from a checkpoint if asked."""
     fsdp = fsdp_settings()
     rank, world, device = init_distributed()
-    engine_args = dict(
-        dtype=cfg.model.dtype, seed=cfg.seed + rank, max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length,
-        kv_cache_gb=cfg.vllm.kv_cache_gb, enforce_eager=cfg.vllm.enforce_eager, max_num_seqs=cfg.vllm.max_num_seqs,
-        distributed=world > 1, max_lora_rank=None if cfg.lora.merge else (cfg.vllm.max_lora_rank or cfg.lora.r),
-        device_type=device.type, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-        enable_sleep_mode=cfg.vllm.enable_sleep_mode)
-    engine_kwargs(cfg.model.name_or_path, **engine_args)  # refuses what vLLM cannot do here, before any work
+    # refuses what vLLM cannot do here, before any work
+    engine_kwargs(cfg.model.name_or_path, **recipe_engine_args(cfg, rank=rank, world=world, device_type=device.type))
     run_dir = Path(cfg.output_dir) / cfg.run_name
     resume = resolve_checkpoint(cfg.resume_from_checkpoint, run_dir) if cfg.resume_from_checkpoint else None
     earlier_checkpoints = list_checkpoints(run_dir)
@@ -226,7 +227,8 @@ def setup(cfg: RecipeConfig) -> Run:
                           "it with resume_from_checkpoint=last, or choose another run_name or output_dir")
     if resume:
         check_resumable(resume, config_to_dict(cfg))
-    resumed = json.loads((resume / "trainer_state.json").read_text())["rollout_step"] if resume else 0
+    resumed_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {}
+    resumed = resumed_state.get("rollout_step", 0)
     trackers = check_report_to(cfg.report_to)
     run_dir = start_run_dir(cfg, rank, resume, resumed)
     check_shared_output_dir(run_dir, rank, world)
@@ -243,15 +245,13 @@ def setup(cfg: RecipeConfig) -> Run:
     random.Random(cfg.seed).shuffle(problems)
     eval_problems = held_out_problems(cfg, tokenizer, problems)
 
-    model, compute_dtype = build_policy(cfg, device, world, fsdp)
+    model, compute_dtype = build_policy(cfg, device, rank, world, fsdp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_rollout_steps * updates_per_rollout))
-    # merge=true pushes every weight at each sync, so a sleeping engine may drop them (level 2); merge=false
-    # serves the base weights all run long, so they are only offloaded (level 1)
-    engine = RolloutEngine(cfg.model.name_or_path, sleep_level=2 if cfg.lora.merge else 1, **engine_args)
+    engine = RolloutEngine.from_config(cfg, rank=rank, world=world, device_type=device.type)
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
         load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
         log.info("resumed from %s: continuing at rollout step %d of %d", resume, resumed + 1, num_rollout_steps)
@@ -261,7 +261,7 @@ def setup(cfg: RecipeConfig) -> Run:
                engine=engine, eval_problems=eval_problems,
                trackers=Trackers(trackers, cfg.run_name, run_dir / "runs", config_to_dict(cfg), rank), loss_settings=LossSettings.from_config(cfg, num_processes=world),
                compute_dtype=compute_dtype, num_rollout_steps=num_rollout_steps, resumed_rollout_step=resumed,
-               last_checkpoint=resume)
+               last_checkpoint=resume, logprob_diff_baseline=resumed_state.get("logprob_diff_baseline"))
 
 
 # ----------------------------------------------------------------------------- faults
@@ -317,26 +317,33 @@ def peak_mem_gb(device: torch.device) -> float:
 
 
 # ----------------------------------------------------------------------------- the phases of a rollout step
-def sync_weights(run: Run, rollout_step: int):
-    """1. Make the engine serve the current policy. Returns (the LoRARequest for merge=off or None, metrics)."""
+def generation_phase(run: Run, rollout_step: int):
+    """1-2. With the engine awake (one wake-up, one sleep): sync, the evaluation when due, the rollout.
+
+    The evaluation scores the weights after the previous rollout step, which the sync has just handed to the
+    engine. Returns (rows, samples, metrics).
+    """
+    with run.engine.awake():
+        phases = sync_weights(run, rollout_step)
+        if eval_due(run, rollout_step - 1):
+            evaluate(run, rollout_step - 1)
+        rows, samples, rollout_metrics = rollout(run, rollout_step)
+    return rows, samples, {**phases, **rollout_metrics}
+
+
+def sync_weights(run: Run, rollout_step: int) -> dict:
+    """1. Make the engine serve the current policy, merged or as an adapter (the engine's merge mode)."""
     t0 = time.perf_counter()
     digest_before = params_digest(run.model) if run.cfg.vllm.verify_sync else None
-    lora_request = None
-    if not run.cfg.vllm.sync:
-        pass  # debugging only: vLLM keeps serving stale weights, which rollout_logprob_diff must catch
-    elif run.cfg.lora.merge:
-        run.engine.sync_merged(run.model)
-    else:
-        adapter_dir = run.run_dir / "_rollout_adapter"
-        save_adapter(run.model, adapter_dir, run.rank)
-        lora_request = run.engine.serve_adapter(adapter_dir, rollout_step)
+    if run.cfg.vllm.sync:  # false (debugging only): vLLM keeps serving stale weights, which the guard must catch
+        run.engine.sync_policy(run.model, run.run_dir / "_rollout_adapter", version=rollout_step, rank=run.rank)
     metrics = dict(sync_s=time.perf_counter() - t0)
     if digest_before is not None:
         metrics["sync_changed_trainer"] = float(digest_before != params_digest(run.model))
-    return lora_request, metrics
+    return metrics
 
 
-def rollout(run: Run, rollout_step: int, lora_request):
+def rollout(run: Run, rollout_step: int):
     """2. Sample num_generations completions for this rank's prompts. Returns (rows, samples, metrics)."""
     from vllm import SamplingParams
 
@@ -347,7 +354,7 @@ def rollout(run: Run, rollout_step: int, lora_request):
     sampling = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_completion_length,
                               logprobs=0)  # no per-request seed: each rank's engine has its own stream
-    samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling, lora_request, use_tqdm=run.rank == 0)
+    samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling, use_tqdm=run.rank == 0)
     return rows, samples, dict(rollout_s=time.perf_counter() - t0,
                                rollout_tokens=sum(len(s.completion_ids) for s in samples))
 
@@ -536,7 +543,7 @@ def eval_due(run: Run, rollout_steps_done: int) -> bool:
             or rollout_steps_done == run.num_rollout_steps)
 
 
-def evaluate(run: Run, rollout_steps_done: int, lora_request) -> dict:
+def evaluate(run: Run, rollout_steps_done: int) -> dict:
     """Mean held-out reward (the accuracy, for a 0/1 reward), greedy and at the training temperature.
 
     The engine generates on the weights it serves now; each rank scores its share of the held-out problems.
@@ -550,7 +557,7 @@ def evaluate(run: Run, rollout_steps_done: int, lora_request) -> dict:
                                        top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_completion_length)}
     sums = {"problems": len(rows)}
     for mode, sampling in modes.items():
-        samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling, lora_request) if rows else []
+        samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling) if rows else []
         rewards = score(run.reward_funcs, rows, samples)[0] if rows else torch.zeros(0)
         sums[f"{mode}_reward_sum"] = rewards.nansum().item()
         sums[f"{mode}_tokens"] = sum(len(s.completion_ids) for s in samples)
@@ -567,16 +574,45 @@ def evaluate(run: Run, rollout_steps_done: int, lora_request) -> dict:
     return metrics
 
 
+def final_evaluation(run: Run, rollout_steps_done: int) -> dict:
+    """The evaluation of the final weights: a generation phase of its own (sync, then evaluate)."""
+    with run.engine.awake():
+        sync_weights(run, rollout_steps_done + 1)
+        return evaluate(run, rollout_steps_done)
+
+
 def check_engine_follows_trainer(run: Run, metrics: dict) -> None:
-    """A mean |vLLM - trainer| old log-prob above vllm.max_logprob_diff means vLLM serves other weights."""
-    limit = run.cfg.max_logprob_diff()
-    if metrics["rollout_logprob_diff_mean"] > limit:
+    """A mean |vLLM - trainer| old log-prob above the guard's limit means vLLM serves other weights.
+
+    The first rollout step of a run (LoRA B = 0: engine and trainer differ by their kernels alone) calibrates the
+    guard: the limit is the larger of vllm.max_logprob_diff (or the dtype's default) and GUARD_BASELINE_MULTIPLE
+    times that baseline, so other kernels (vLLM's GPU attention and CUDA graphs against SDPA) do not stop a
+    healthy run. A baseline far above any kernel difference (GUARD_BASELINE_CEILING x the dtype's default) means
+    the very first sync is broken.
+    """
+    diff = metrics["rollout_logprob_diff_mean"]
+    if run.logprob_diff_baseline is None:
+        ceiling = GUARD_BASELINE_CEILING * MAX_LOGPROB_DIFF[run.cfg.model.dtype]
+        if diff > ceiling:
+            raise RuntimeError(
+                f"rollout step {metrics['rollout_step']}: rollout_logprob_diff_mean={diff:.3g} before any update "
+                f"exceeds {ceiling:g} ({GUARD_BASELINE_CEILING}x the {run.cfg.model.dtype} default): vLLM does not "
+                "serve the trainer's weights even at the start (a broken weight sync or a different checkpoint)")
+        run.logprob_diff_baseline = diff
+        log.info("log-prob guard: baseline |vLLM - trainer| %.3g at rollout step %d; the run stops above %.3g",
+                 diff, metrics["rollout_step"], guard_limit(run))
+    limit = guard_limit(run)
+    if diff > limit:
         raise RuntimeError(
-            f"rollout step {metrics['rollout_step']}: rollout_logprob_diff_mean="
-            f"{metrics['rollout_logprob_diff_mean']:.3g} exceeds vllm.max_logprob_diff={limit:g}: "
-            "vLLM is not serving the trainer's weights (a broken or skipped weight sync); stopping instead of "
-            "training on stale rollouts. (If the sync works and your model's bf16 kernels just differ more than "
-            "the default allows, raise vllm.max_logprob_diff.)")
+            f"rollout step {metrics['rollout_step']}: rollout_logprob_diff_mean={diff:.3g} exceeds the guard's "
+            f"limit {limit:.3g} (the larger of vllm.max_logprob_diff={run.cfg.max_logprob_diff():g} and "
+            f"{GUARD_BASELINE_MULTIPLE}x the first step's baseline {run.logprob_diff_baseline:.3g}): vLLM is not "
+            "serving the trainer's weights (a broken or skipped weight sync); stopping instead of training on "
+            "stale rollouts. (If the sync works and your kernels just differ more, raise vllm.max_logprob_diff.)")
+
+
+def guard_limit(run: Run) -> float:
+    return max(run.cfg.max_logprob_diff(), GUARD_BASELINE_MULTIPLE * run.logprob_diff_baseline)
 
 
 def save(run: Run, rollout_step: int) -> Path:
@@ -586,7 +622,7 @@ def save(run: Run, rollout_step: int) -> Path:
         return run.last_checkpoint
     state = dict(rollout_step=rollout_step, global_step=global_step,
                  data_position=rollout_step * run.world * run.cfg.prompts_per_rank, world_size=run.world,
-                 seed=run.cfg.seed)
+                 seed=run.cfg.seed, logprob_diff_baseline=run.logprob_diff_baseline)
     run.last_checkpoint = save_checkpoint(run.run_dir, run.model, run.optimizer, run.scheduler, state,
                                           config_to_dict(run.cfg), run.rank, run.cfg.save_total_limit)
     return run.last_checkpoint
@@ -633,11 +669,7 @@ def main(argv: list[str] | None = None) -> None:
     signum, rollout_step = 0, run.resumed_rollout_step
     for rollout_step in range(run.resumed_rollout_step + 1, run.num_rollout_steps + 1):
         t_step, rng_at_start = time.perf_counter(), rng_state()  # the engine samples from the process's RNG
-        lora_request, phases = sync_weights(run, rollout_step)
-        if eval_due(run, rollout_step - 1):  # the weights after the previous rollout step, as the engine serves them
-            evaluate(run, rollout_step - 1, lora_request)
-        rows, samples, rollout_metrics = rollout(run, rollout_step, lora_request)
-        phases.update(rollout_metrics)
+        rows, samples, phases = generation_phase(run, rollout_step)
         signum = stop.agreed()
         if signum:  # abandon this step: nothing was updated yet, so the state is the one after the previous one
             rollout_step -= 1
@@ -660,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
         if signum:
             break
     if not signum and eval_due(run, rollout_step) and rollout_step > run.resumed_rollout_step:
-        evaluate(run, rollout_step, sync_weights(run, rollout_step + 1)[0])  # the final weights
+        final_evaluation(run, rollout_step)
     finish(run, rollout_step, signum)
     if signum:
         sys.exit(128 + signum)

@@ -11,15 +11,19 @@ device. The terms (per device, bytes):
   LoRA + AdamW      fp32 LoRA weights, gradients and two moments (16 bytes per LoRA parameter) / world
   vLLM weights      the whole model in model.dtype: every rank runs its own engine (tensor parallel 1)
   KV cache          vllm.kv_cache_gb
+  vLLM runtime      what vLLM allocates besides weights and KV cache: the sampler's fp32 logits of max_num_seqs
+                    sequences over the vocabulary (x3: logits, the sorted copy top-k/top-p sorts, probabilities),
+                    one engine step's activations (max_num_batched_tokens tokens through the widest layer), and
+                    a 1 GiB margin for CUDA graphs unless vllm.enforce_eager
   activations       one mini-batch (per_device_train_batch_size x the longest sequence): with gradient
                     checkpointing each layer keeps its input and one layer is recomputed at a time; without,
                     every layer keeps its intermediates. Plus the logits: compute-dtype logits and their gradient,
                     and the fp32 log-softmax blocks kept for the backward.
 
 Phases: sync (shard + LoRA/AdamW + vLLM weights + unsharded layers), rollout (shard + LoRA/AdamW + vLLM
-weights + KV cache), update (shard + LoRA/AdamW + unsharded layers + activations, plus vLLM's weights and KV
-cache unless vllm.enable_sleep_mode releases them). An estimate, not a measurement: allocator fragmentation,
-CUDA graphs and the CUDA context (~1 GiB) come on top, so the check leaves 10% of the device free.
+weights + KV cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + activations, plus vLLM's weights and KV
+cache unless vllm.enable_sleep_mode releases them). An estimate, not a measurement: allocator fragmentation
+and the CUDA context (~1 GiB) come on top, so the check leaves 10% of the device free.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import torch
 
 from grpo_config import RecipeConfig, load_config
+from rollout_engine import rollout_max_num_seqs
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -62,6 +67,16 @@ def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: b
     return stored + logits
 
 
+def _vllm_runtime_bytes(c, cfg: RecipeConfig, world: int) -> float:
+    """The sampler's buffers, one engine step's activations and the CUDA-graph margin (module docstring)."""
+    max_num_seqs = cfg.vllm.max_num_seqs or rollout_max_num_seqs(cfg, world)
+    sampler = 3 * max_num_seqs * c.vocab_size * 4
+    intermediate = getattr(c, "intermediate_size", 4 * c.hidden_size)
+    step = max(cfg.vllm.max_num_batched_tokens, cfg.data.max_prompt_length + cfg.max_completion_length)
+    activations = step * (2 * intermediate + 4 * c.hidden_size) * _BYTES[cfg.model.dtype]
+    return sampler + activations + (0 if cfg.vllm.enforce_eager else GIB)
+
+
 def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool | None = None,
                 compute_dtype: str | None = None) -> dict:
     """Bytes per device of each term and each phase (see the module docstring)."""
@@ -75,10 +90,11 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
         "LoRA + AdamW": 16 * counts["lora"] / world,
         "vLLM weights": counts["total"] * weight_bytes,
         "KV cache": cfg.vllm.kv_cache_gb * GIB,
+        "vLLM runtime": _vllm_runtime_bytes(model_config, cfg, world),
         "activations": _activation_bytes(model_config, cfg, compute_bytes, checkpointing),
     }
     trainer = terms["policy shard"] + terms["LoRA + AdamW"]
-    engine = terms["vLLM weights"] + terms["KV cache"]
+    engine = terms["vLLM weights"] + terms["KV cache"] + terms["vLLM runtime"]
     phases = {
         "sync": trainer + terms["vLLM weights"] + terms["unsharded layers"],
         "rollout": trainer + engine,

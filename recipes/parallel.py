@@ -11,6 +11,7 @@ other setting the recipe would not carry out.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import uuid
@@ -76,6 +77,14 @@ def fsdp_settings(env=os.environ) -> FSDPSettings:
                           "fp32 LoRA weights and gradient reduction) or 'no' (model.dtype decides)")
     if env.get("ACCELERATE_USE_FSDP", "false") != "true":
         return FSDPSettings(mixed_precision=precision)
+    ram_efficient = env.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    if ram_efficient is not None and ram_efficient.lower() in ("true", "1", "yes", "on"):
+        # accelerate exports it as true when the YAML does not say; transformers then fills every weight with zeros
+        # on each process whose LOCAL_RANK is not 0, for a broadcast that fully_shard never makes
+        raise ConfigError(f"accelerate config fsdp_cpu_ram_efficient_loading={ram_efficient!r} is not supported "
+                          "(accelerate sets it true when the config does not name it): with it, transformers loads "
+                          "all-zero weights on every process but local rank 0. Set `fsdp_cpu_ram_efficient_loading: "
+                          "false` in the accelerate config's fsdp_config (every process reads the checkpoint)")
     for variable, (key, accepted) in _FIXED_BEHAVIOUR.items():
         value = env.get(variable)
         if value not in accepted:
@@ -98,6 +107,31 @@ def init_distributed() -> tuple[int, int, torch.device]:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         return dist.get_rank(), world, device
     return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
+def check_same_weights(model: torch.nn.Module, rank: int, world: int) -> str:
+    """Stop unless every rank holds the same weights before sharding (a collective); returns their digest.
+
+    One SHA-1 per parameter, gathered: ``fully_shard`` keeps each rank's own slice of whatever it was given, so a
+    rank that loaded other weights (zeros under an unexpected launcher setting, another checkpoint) would train on
+    them without an error. The first parameter that differs is named, with the ranks that differ.
+    """
+    digests = []
+    for _, param in model.named_parameters():
+        local = param.detach().cpu().contiguous()
+        digests.append(hashlib.sha1(local.view(torch.uint8).numpy()).hexdigest())
+    everyone = [digests] * world
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, digests)
+    names = [name for name, _ in model.named_parameters()]
+    for i, name in enumerate(names):
+        differ = [r for r in range(world) if everyone[r][i] != everyone[0][i]]
+        if differ:
+            raise RuntimeError(f"rank(s) {differ} hold other weights than rank 0 for {name!r} before sharding "
+                               f"(first of the parameters that differ): FSDP2 would train on each rank's own copy. "
+                               "Every process must load the same checkpoint (is fsdp_cpu_ram_efficient_loading set?)")
+    return hashlib.sha1("".join(digests).encode()).hexdigest()
 
 
 def fully_shard_kwargs(settings: FSDPSettings, param_dtype: torch.dtype) -> dict:

@@ -1,12 +1,14 @@
 """The rollout engine: one in-process vLLM per rank, serving the policy's merged weights or its LoRA adapter.
 
-    engine = RolloutEngine(model_path, dtype="float32", max_model_len=160, kv_cache_gb=0.25)
-    engine.sync_merged(peft_model)                     # lora.merge=true: W + scale*B@A, one layer at a time
-    samples = engine.generate(prompt_ids, sampling)   # completions with their sampled tokens' log-probs
+    engine = RolloutEngine.from_config(cfg, rank=rank, world=world, device_type="cpu")
+    with engine.awake():                                # one generation phase: sync, evaluation, rollout
+        engine.sync_policy(peft_model, adapter_dir, version=step, rank=rank)
+        samples = engine.generate(prompt_ids, sampling)   # completions with their sampled tokens' log-probs
 
-The recipe, `bench_rollout.py` and `bench_sync.py` all build and push through this class, so the benchmarks time
-the recipe's own code path. `lora.merge=false` is the comparison mode: `serve_adapter` points the next
-generations at an adapter folder through a `LoRARequest`.
+The engine owns the merge mode: `sync_policy` streams `merged_lora_params` into vLLM (lora.merge=true: W +
+scale*B@A, one layer at a time) or saves the adapter and serves it through a `LoRARequest` it keeps
+(lora.merge=false, the comparison mode); `generate` serves whichever it holds. The recipe, `bench_rollout.py` and
+`bench_sync.py` all build and push through this class, so the benchmarks time the recipe's own code path.
 
 vLLM on CPU: it runs in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; `external_launcher` when
 distributed, one engine per rank) with an explicit KV-cache size. Weights go in through
@@ -25,6 +27,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch
 
+from checkpointing import save_adapter
 from grpo_config import VLLM_LORA_RANKS, ConfigError
 from merge import decoder_layers, merged_lora_params
 from merge.vllm_compat import reload_vllm_weights
@@ -44,6 +47,10 @@ class Sample:
 
 class WeightPushError(RuntimeError):
     """vLLM's modules did not all receive a tensor in a weight push; the engine would serve stale weights."""
+
+
+class EngineStateError(RuntimeError):
+    """A generation the engine cannot serve as asked: outside a generation phase, or on discarded weights."""
 
 
 # vLLM's in-place reload reports, in its log, each layer that got no tensor ("<Class>: Failed to load weights",
@@ -117,10 +124,33 @@ def check_vllm_lora_targets(model: torch.nn.Module, target_modules: list[str]) -
                           "lora.merge=true (merged weights serve any target)")
 
 
+def rollout_max_num_seqs(cfg, world: int) -> int:
+    """The most sequences one rank's engine is given at once: a rollout's completions or an evaluation's prompts.
+
+    TRL sizes its colocated engine the same way (per_device_train_batch_size x steps_per_generation) rather than
+    with vLLM's default (256 on CPU, 1024 on an H100), which sizes the sampler's buffers and CUDA graphs for
+    sequences that never come.
+    """
+    rollout = cfg.per_device_train_batch_size * cfg.steps_per_generation
+    evaluation = -(-cfg.data.num_eval // world) if cfg.eval_steps is not None else 0
+    return max(rollout, evaluation)
+
+
+def recipe_engine_args(cfg, *, rank: int, world: int, device_type: str) -> dict:
+    """The keyword arguments of `RolloutEngine` (and `engine_kwargs`) for the recipe's config on one rank."""
+    return dict(dtype=cfg.model.dtype, seed=cfg.seed + rank,
+                max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length, kv_cache_gb=cfg.vllm.kv_cache_gb,
+                enforce_eager=cfg.vllm.enforce_eager, max_num_seqs=cfg.vllm.max_num_seqs or rollout_max_num_seqs(cfg, world),
+                max_num_batched_tokens=cfg.vllm.max_num_batched_tokens, distributed=world > 1,
+                max_lora_rank=None if cfg.lora.merge else (cfg.vllm.max_lora_rank or cfg.lora.r),
+                device_type=device_type, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+                enable_sleep_mode=cfg.vllm.enable_sleep_mode)
+
+
 def engine_kwargs(model: str, *, dtype: str, max_model_len: int, kv_cache_gb: float, seed: int = 0,
-                  enforce_eager: bool = True, max_num_seqs: int = 256, max_lora_rank: int | None = None,
-                  distributed: bool = False, device_type: str = "cpu", gpu_memory_utilization: float = 0.3,
-                  enable_sleep_mode: bool = False) -> dict:
+                  enforce_eager: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                  max_lora_rank: int | None = None, distributed: bool = False, device_type: str = "cpu",
+                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False) -> dict:
     """The arguments of ``vllm.LLM`` for a colocated rollout engine (a pure function: what reaches vLLM, testable).
 
     On GPU, vLLM's worker refuses to start unless free memory >= gpu_memory_utilization x total, even with an
@@ -138,6 +168,8 @@ def engine_kwargs(model: str, *, dtype: str, max_model_len: int, kv_cache_gb: fl
         logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution, as the trainer computes
         enable_prefix_caching=False,
     )
+    if max_num_batched_tokens is not None:  # at least one whole sequence per step (no chunked prefill needed)
+        kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, max_model_len)
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per rank, in-process
     if max_lora_rank is not None:
@@ -151,37 +183,69 @@ def engine_kwargs(model: str, *, dtype: str, max_model_len: int, kv_cache_gb: fl
 
 
 class RolloutEngine:
-    """A vLLM ``LLM`` built for rollouts, with the weight push the recipe uses.
+    """A vLLM ``LLM`` built for rollouts: it serves the policy merged (``merge=True``) or as a LoRA adapter.
 
-    Sleep mode (GPU, ``enable_sleep_mode=True``, as TRL's colocate mode does it): the engine sleeps whenever it is
-    not generating, so the update phase has its memory. Pushed weights (``sleep_level=2``, merge=true) are
-    discarded and pushed anew; served adapters (``sleep_level=1``, merge=false) keep the base weights in CPU
-    memory. ``push_weights`` wakes the weights first, ``generate`` wakes the KV cache and sleeps again after.
+    Sleep mode (GPU, ``enable_sleep_mode=True``, as TRL's colocate mode): the engine sleeps between generation
+    phases, so the update phase has its memory. A phase is a ``with engine.awake():`` block (the recipe's sync,
+    evaluation and rollout of one rollout step); inside it the engine wakes what a call needs (the weights for a
+    push, the KV cache before generating) and puts everything back to sleep only when the block ends. vLLM 0.32
+    schedules requests only once all of its memory is awake (``EngineCore.wake_up``), so sleeping after each
+    generation would leave the next one waiting forever. Merged weights are pushed anew at every sync, so a
+    sleeping engine discards them (level 2); an adapter is served on the base weights, which must survive
+    (level 1, kept in host memory). Generating on discarded weights that no push has replaced is refused.
     """
 
-    def __init__(self, model: str, *, sleep_level: int = 2, **kwargs):
+    def __init__(self, model: str, *, merge: bool = True, sleep_level: int | None = None, **kwargs):
         from vllm import LLM
 
         kwargs = engine_kwargs(model, **kwargs)
+        self.merge = merge
         self.dtype = getattr(torch, kwargs["dtype"])
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.sleep_level = sleep_level if kwargs.get("enable_sleep_mode") else 0
+        default_level = 2 if merge else 1
+        self.sleep_level = (sleep_level or default_level) if kwargs.get("enable_sleep_mode") else 0
+        self.asleep: set[str] = set()  # vLLM's sleeping tags, as its executor tracks them
+        self.weights_discarded = False  # a level-2 sleep freed the weights and no push has replaced them yet
+        self.in_phase = False
+        self.lora_request = None  # merge=False: the adapter the engine serves
         self.weightless_classes = set(self.llm.collective_rpc(_classes_without_own_weights)[0])
         self.sleep()
+
+    @classmethod
+    def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> "RolloutEngine":
+        """The recipe's engine for ``cfg`` on one rank (its merge mode, sleep level and LoRA rank from the config)."""
+        # vllm.sync=false pushes nothing, so the weights the engine starts with must survive its sleeps (level 1)
+        sleep_level = 2 if cfg.lora.merge and cfg.vllm.sync else 1
+        return cls(cfg.model.name_or_path, merge=cfg.lora.merge, sleep_level=sleep_level,
+                   **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type))
 
     def close(self) -> None:
         """Shut the engine down now: its process groups go with it, so this must run before ours are destroyed."""
         self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
-        if self.sleep_level:
+        """Release the weights and the KV cache (a no-op without sleep mode, or when already asleep)."""
+        if self.sleep_level and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
+            self.asleep = {"weights", "kv_cache"}
+            self.weights_discarded = self.sleep_level == 2
 
     def wake_up(self, tag: str) -> None:
-        """Wake "weights" or "kv_cache" (a no-op without sleep mode)."""
-        if self.sleep_level:
+        """Wake "weights" or "kv_cache" if it sleeps (vLLM ignores a wake_up naming a tag that is awake)."""
+        if tag in self.asleep:
             self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
+
+    @contextlib.contextmanager
+    def awake(self):
+        """One generation phase: the engine wakes at need inside the block and sleeps when it ends."""
+        self.in_phase = True
+        try:
+            yield self
+        finally:
+            self.in_phase = False
+            self.sleep()
 
     def push_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs (checkpoint names) into the engine in place, and check that every module
@@ -189,6 +253,7 @@ class RolloutEngine:
         self.wake_up("weights")
         with _PushAudit().watching() as audit:
             reload_vllm_weights(self.llm, weights)  # vLLM's reload_weights (+ the CPU MoE repacking it skips)
+        self.weights_discarded = False
         empty = sorted(audit.empty - self.weightless_classes)
         partial = sorted(audit.partial - _PADDED_CLASSES)
         if empty or partial or audit.not_loaded:
@@ -201,19 +266,37 @@ class RolloutEngine:
         """Push the peft policy with its LoRA merged (`merged_lora_params`; a collective under FSDP2)."""
         self.push_weights(merged_lora_params(model, dtype=self.dtype))
 
-    def serve_adapter(self, adapter_dir, version: int):
-        """A `LoRARequest` for the adapter saved in ``adapter_dir``; a new ``version`` makes vLLM load it anew."""
+    def serve_adapter(self, adapter_dir, version: int) -> None:
+        """Serve the adapter saved in ``adapter_dir`` from now on; a new ``version`` makes vLLM load it anew."""
         from vllm.lora.request import LoRARequest
 
-        self.wake_up("weights")  # the base weights, offloaded to CPU memory by a level-1 sleep
-        return LoRARequest(f"policy-{version}", version, str(adapter_dir))
+        self.wake_up("weights")  # the base weights, offloaded to host memory by a level-1 sleep
+        self.lora_request = LoRARequest(f"policy-{version}", version, str(adapter_dir))
 
-    def generate(self, prompt_ids: list[list[int]], sampling, lora_request=None, use_tqdm: bool = False) -> list[Sample]:
+    def sync_policy(self, model, adapter_dir, version: int, rank: int) -> None:
+        """Make the engine serve the policy's current weights, in its merge mode (a collective under FSDP2).
+
+        merge=True: push the merged weights. merge=False: save the adapter into ``adapter_dir`` (rank 0 writes;
+        the folder must be shared by all ranks) and serve it as LoRA ``version``.
+        """
+        if self.merge:
+            self.sync_merged(model)
+        else:
+            save_adapter(model, adapter_dir, rank)
+            self.serve_adapter(adapter_dir, version)
+
+    def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
         """Sample completions for token-id prompts; one `Sample` per completion, prompt by prompt."""
+        if self.sleep_level and not self.in_phase:
+            raise EngineStateError("generate() outside `with engine.awake():` under sleep mode: nothing would put "
+                                   "the engine back to sleep for the update phase")
+        self.wake_up("weights")
+        if self.weights_discarded:
+            raise EngineStateError("generate() on weights that a level-2 sleep discarded and no push has replaced: "
+                                   "sync the policy first (sync_policy / push_weights)")
         self.wake_up("kv_cache")
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling,
-                                    lora_request=lora_request, use_tqdm=use_tqdm)
-        self.sleep()
+                                    lora_request=self.lora_request, use_tqdm=use_tqdm)
         samples = []
         for index, (ids, out) in enumerate(zip(prompt_ids, outputs)):
             for comp in out.outputs:

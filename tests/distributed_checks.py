@@ -15,7 +15,7 @@ from bench_common import rss_peak_during, with_random_lora
 from checkpointing import full_adapter_state
 from merge import merged_lora_params
 from padding import packed_log_probs
-from parallel import apply_activation_checkpointing, apply_fsdp, check_shared_output_dir
+from parallel import apply_activation_checkpointing, apply_fsdp, check_same_weights, check_shared_output_dir
 from qwen3_lora import tiny_qwen3
 
 
@@ -150,6 +150,41 @@ def sampling_streams(rank: int, tmp: Path) -> None:
     assert everyone[0] != everyone[1], "two ranks drew the same completions for the same prompts"
     (tmp / f"completions{rank}.json").write_text(json.dumps(completions))
     engine.close()
+
+
+def same_weights(rank: int, tmp: Path) -> None:
+    """Ranks that load the same checkpoint pass the start-up check; accelerate's default
+    fsdp_cpu_ram_efficient_loading (zeros on every process but local rank 0) and a perturbed rank are named."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    if rank == 0:
+        tiny_qwen3().save_pretrained(tmp / "model")
+    dist.barrier()
+    plain = AutoModelForCausalLM.from_pretrained(tmp / "model")
+    digest = check_same_weights(plain, rank, 2)
+    assert digest == check_same_weights(plain, 0, 1)  # the digest of what every rank holds
+
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")  # as accelerate exports
+    zeroed = AutoModelForCausalLM.from_pretrained(tmp / "model")
+    del os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"]
+    weight = zeroed.model.layers[0].self_attn.q_proj.weight
+    assert (weight.abs().sum() == 0) == (rank == 1), "transformers no longer zeroes local rank 1: revisit the check"
+    expect_refusal(lambda: check_same_weights(zeroed, rank, 2), "rank(s) [1]", "model.embed_tokens.weight")
+
+    with torch.no_grad():
+        plain.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-6 * rank
+    expect_refusal(lambda: check_same_weights(plain, rank, 2), "rank(s) [1]", "model.layers.1.mlp.down_proj.weight")
+
+
+def expect_refusal(check, *fragments: str) -> None:
+    try:
+        check()
+    except RuntimeError as err:
+        assert all(f in str(err) for f in fragments), err
+    else:
+        raise AssertionError(f"not refused: {fragments}")
 
 
 if __name__ == "__main__":

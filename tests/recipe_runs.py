@@ -12,9 +12,13 @@ SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generati
              "eval_steps=null"]
 
 
-def launch_command(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml") -> list[str]:
+CPU_ACCELERATE_CONFIG = ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
+
+
+def launch_command(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml",
+                   accelerate_config: Path = CPU_ACCELERATE_CONFIG) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"), str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
+            str(accelerate_config), str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
             "--config", str(ROOT / "recipes" / "configs" / config), f"model.name_or_path={model}",
             "model.build_tiny=null", f"output_dir={output_dir}", "run_name=run", *SMALL_RUN, *overrides]
 
@@ -49,8 +53,10 @@ def read_evals(output_dir: Path) -> list[dict]:
     return [line for line in read_lines(output_dir) if "eval_reward_greedy" in line]
 
 
-def launch(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml"):
+def launch(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml",
+           accelerate_config: Path = CPU_ACCELERATE_CONFIG):
     """Run the recipe to the end; returns (the finished process, the metrics of its rollout steps)."""
-    proc = subprocess.run(launch_command(output_dir, model, *overrides, config=config), cwd=ROOT, env=launch_env(),
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(launch_command(output_dir, model, *overrides, config=config,
+                                         accelerate_config=accelerate_config),
+                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=900)
     return proc, read_metrics(output_dir)

@@ -1,9 +1,11 @@
 """Checkpoints: atomic writes (a failed save loses nothing), exact restore, rotation, refusals before any work."""
 
 import errno
+import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -45,8 +47,10 @@ def save(run_dir, model, optimizer, scheduler, step, limit=None):
 def test_restores_adapter_optimizer_scheduler_and_rng(tmp_path):
     model, optimizer, scheduler = trained()
     torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
     path = save(tmp_path, model, optimizer, scheduler, step=1)
-    expected_draw = torch.rand(3)
+    expected = torch.rand(3), np.random.randint(2**31, size=3), random.random()  # vLLM's V2 runner draws numpy seeds
     assert path.name == "checkpoint-4"
     fresh, fresh_optimizer, fresh_scheduler = trained(seed=1)  # other weights, other optimizer state
     state = load_checkpoint(path, fresh, fresh_optimizer, fresh_scheduler, CONFIG, rank=0)
@@ -56,7 +60,11 @@ def test_restores_adapter_optimizer_scheduler_and_rng(tmp_path):
         for key, value in optimizer.state[param].items():
             assert torch.equal(value, fresh_optimizer.state[fresh_param][key]), key
     assert fresh_scheduler.state_dict() == scheduler.state_dict()
-    assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
+    np.random.seed(0)
+    random.seed(0)  # moved on since the save
+    load_checkpoint(path, fresh, fresh_optimizer, fresh_scheduler, CONFIG, rank=0)
+    assert torch.equal(torch.rand(3), expected[0])  # every RNG continues where it was saved
+    assert np.array_equal(np.random.randint(2**31, size=3), expected[1]) and random.random() == expected[2]
     # the checkpoint's adapter is a peft adapter
     loaded = PeftModel.from_pretrained(tiny_qwen3(), str(path))
     assert torch.equal(dict(loaded.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"],

@@ -102,7 +102,8 @@ BAD_VALUES = {
     "lora.bias": "all", "lora.use_rslora": "maybe", "lora.use_dora": "true", "lora.modules_to_save": "[]",
     "lora.init_lora_weights": "maybe", "lora.target_parameters": "[]",
     "vllm.kv_cache_gb": "0", "vllm.gpu_memory_utilization": "1.5", "vllm.enable_sleep_mode": "maybe",
-    "vllm.enforce_eager": "maybe", "vllm.max_num_seqs": "0", "vllm.max_lora_rank": "24",
+    "vllm.enforce_eager": "maybe", "vllm.max_num_seqs": "0", "vllm.max_num_batched_tokens": "0",
+    "vllm.max_lora_rank": "24",
     "vllm.max_logprob_diff": "0", "vllm.verify_sync": "maybe", "vllm.sync": "maybe",
     "padding.legacy_slice": "maybe",
 }

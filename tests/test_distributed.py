@@ -16,6 +16,10 @@ def test_fp32_adapters_on_a_bf16_base_learn_at_small_learning_rates(tmp_path):
     run_check("bf16_adapters", tmp_path)
 
 
+def test_ranks_holding_other_weights_are_caught_before_sharding(tmp_path):
+    run_check("same_weights", tmp_path)
+
+
 def test_a_per_node_output_dir_is_refused(tmp_path):
     run_check("shared_output_dir", tmp_path)
 

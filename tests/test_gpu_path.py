@@ -5,11 +5,8 @@ cannot run here), read against vLLM 0.32's GPU worker (`vllm/v1/worker/gpu_worke
 gpu_memory_utilization x total at start even with kv_cache_memory_bytes; sleep/wake_up by tag).
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,18 +16,16 @@ from grpo_config import ConfigError, load_config
 from memory_plan import GIB, check_fits, memory_plan
 from parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
 from qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
-from rollout_engine import RolloutEngine, engine_kwargs
+from qwen3_lora import tiny_lora
+from rollout_engine import EngineStateError, RolloutEngine, engine_kwargs, recipe_engine_args
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
 
 
 def engine_args(cfg, device_type: str) -> dict:
-    """The recipe's engine arguments for ``cfg`` (as grpo_qwen3_4b.setup builds them), on rank 0 of 8."""
-    return dict(dtype=cfg.model.dtype, seed=cfg.seed, max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length,
-                kv_cache_gb=cfg.vllm.kv_cache_gb, enforce_eager=cfg.vllm.enforce_eager, distributed=True,
-                device_type=device_type, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-                enable_sleep_mode=cfg.vllm.enable_sleep_mode)
+    """The recipe's engine arguments for ``cfg`` on rank 0 of 8."""
+    return recipe_engine_args(cfg, rank=0, world=8, device_type=device_type)
 
 
 def test_qwen_config_reaches_vllm_with_a_gpu_memory_share_and_sleep_mode():
@@ -41,6 +36,8 @@ def test_qwen_config_reaches_vllm_with_a_gpu_memory_share_and_sleep_mode():
     assert kwargs["kv_cache_memory_bytes"] == 7 * 2**30  # 64 sequences x 768 tokens x 144 KiB
     assert kwargs["dtype"] == "bfloat16" and kwargs["distributed_executor_backend"] == "external_launcher"
     assert kwargs["logprobs_mode"] == "processed_logprobs"
+    # sized as TRL sizes its colocated engine: a rollout's 16 x 4 completions per rank, 4096 tokens per step
+    assert kwargs["max_num_seqs"] == 64 and kwargs["max_num_batched_tokens"] == 4096
     cpu = engine_kwargs("m", **{**engine_args(cfg, "cpu"), "enable_sleep_mode": False})
     assert "gpu_memory_utilization" not in cpu and "enable_sleep_mode" not in cpu
 
@@ -91,18 +88,21 @@ class RecordingLLM:
 
 @pytest.mark.parametrize("sleep_level", [2, 1])
 def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
-    """Sleep after start and after each generation; wake the weights before a push, the KV cache before generating."""
+    """Sleep after start and at the end of a generation phase; wake the weights before a push, the KV cache before
+    generating; two generations in one phase (evaluation, rollout) wake nothing twice."""
     import vllm
 
     RecordingLLM.calls = []
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     engine = RolloutEngine("m", sleep_level=sleep_level, **engine_args(load_config(QWEN_CONFIG), "cuda"))
-    engine.push_weights(iter([]))
-    engine.generate([[1, 2]], sampling=None)
+    with engine.awake():
+        engine.push_weights(iter([]))
+        engine.generate([[1, 2]], sampling=None)
+        engine.generate([[3]], sampling=None)
     assert RecordingLLM.calls == [
         ("LLM", True), ("_classes_without_own_weights", []), ("sleep", sleep_level),
         ("wake_up", ("weights",)), ("_reload_repacking_cpu_experts", ["weights_iterator"]), ("reset_prefix_cache",),
-        ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", sleep_level),
+        ("wake_up", ("kv_cache",)), ("generate", 1), ("generate", 1), ("sleep", sleep_level),
     ]
 
 
@@ -114,7 +114,123 @@ def test_without_sleep_mode_the_engine_never_sleeps(monkeypatch):
     cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
     engine = RolloutEngine("m", **engine_args(cfg, "cuda"))
     engine.generate([[1]], sampling=None)
-    assert [c[0] for c in RecordingLLM.calls] == ["LLM", "_classes_without_own_weights", "generate"]
+    with engine.awake():
+        engine.generate([[1]], sampling=None)
+    assert [c[0] for c in RecordingLLM.calls] == ["LLM", "_classes_without_own_weights", "generate", "generate"]
+
+
+class SleepContractLLM:
+    """Stands in for vllm.LLM with vLLM 0.32's sleep contract, as its code has it:
+
+    - ``Executor.sleep(level)`` (v1/executor/abstract.py) is a no-op if "weights" already sleeps; otherwise every
+      tag sleeps (SLEEP_TAGS). ``EngineCore.sleep`` pauses the scheduler first (v1/engine/core.py).
+    - Level 1 offloads the weights to host memory and discards the KV cache; level 2 discards both
+      (``CuMemAllocator``): woken weights hold garbage until new ones are loaded.
+    - ``Executor.wake_up(tags)`` wakes nothing (a warning) if any named tag is not asleep; ``EngineCore.wake_up``
+      resumes the scheduler only once no tag sleeps, so a generation with any tag asleep waits forever: here it
+      raises instead.
+    """
+
+    def __init__(self, **kwargs):
+        self.sleeping_tags: set[str] = set()
+        self.paused = False
+        self.weights = "loaded"  # "loaded" | "offloaded" (level 1) | "discarded" (level 2, garbage once woken)
+        self.generations = 0
+
+    def get_tokenizer(self):
+        return None
+
+    def sleep(self, level):
+        if "weights" in self.sleeping_tags:
+            return
+        self.paused = True
+        self.sleeping_tags = {"weights", "kv_cache"}
+        self.weights = "offloaded" if level == 1 else "discarded"
+
+    def wake_up(self, tags):
+        if any(tag not in self.sleeping_tags for tag in tags):
+            return
+        self.sleeping_tags -= set(tags)
+        if "weights" in tags and self.weights == "offloaded":
+            self.weights = "loaded"
+        if not self.sleeping_tags:
+            self.paused = False
+
+    def collective_rpc(self, method, kwargs=None):
+        if kwargs and "weights_iterator" in kwargs:
+            assert "weights" not in self.sleeping_tags, "weights pushed into freed memory"
+            for _ in kwargs["weights_iterator"]:
+                pass
+            self.weights = "loaded"
+        return [[]]
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, sampling, lora_request=None, use_tqdm=False):
+        if self.paused or self.sleeping_tags:
+            raise AssertionError(f"generate with {sorted(self.sleeping_tags)} asleep: vLLM 0.32 would wait forever")
+        if self.weights != "loaded":
+            raise AssertionError("generate on weights a level-2 sleep discarded: vLLM would serve garbage")
+        self.generations += 1
+        completion = SimpleNamespace(token_ids=[5, 6], text=" 4", logprobs=None, finish_reason="stop")
+        return [SimpleNamespace(outputs=[completion] * sampling.n) for _ in prompts]
+
+
+def contract_run(tmp_path, overrides: list[str]):
+    """A `Run` of the recipe around an engine on `SleepContractLLM` (sleep mode as on a GPU) and a tiny policy."""
+    from grpo_qwen3_4b import Run
+    from trackers import Trackers
+
+    cfg = load_config(ROOT / "recipes" / "configs" / "tiny_cpu.yaml",
+                      ["vllm.enable_sleep_mode=true", "eval_steps=8", "max_steps=16", *overrides])
+    engine = RolloutEngine.from_config(cfg, rank=0, world=1, device_type="cuda")
+    problems = [{"prompt": f"Q{i}", "prompt_ids": [1, 2 + i], "answer": "4"} for i in range(8)]
+    return Run(cfg=cfg, rank=0, world=1, device=torch.device("cpu"), run_dir=tmp_path, problems=problems,
+               reward_funcs={"exact": lambda completions, answer, **kw: [float(c.strip() == a) for c, a in
+                                                                         zip(completions, answer)]},
+               pad_id=0, model=tiny_lora(), optimizer=None, scheduler=None, engine=engine,
+               trackers=Trackers([], "t", tmp_path, {}, 0), eval_problems=problems[:3], loss_settings=None,
+               compute_dtype=torch.float32, num_rollout_steps=4, resumed_rollout_step=0)
+
+
+@pytest.mark.parametrize("overrides", [["lora.merge=true"], ["lora.merge=false"], ["vllm.sync=false"]],
+                         ids=["merge_on", "merge_off", "sync_off"])
+def test_the_recipes_phases_keep_vllms_sleep_contract(monkeypatch, tmp_path, overrides):
+    """The recipe's real phase order (sync, evaluation at step 0 and later, rollout; the final evaluation) on an
+    engine that keeps vLLM 0.32's sleep contract: every generation finds the engine fully awake, on loaded weights,
+    and the engine sleeps between phases (the update's memory)."""
+    import vllm
+
+    import grpo_qwen3_4b as recipe
+
+    monkeypatch.setattr(vllm, "LLM", SleepContractLLM)
+    run = contract_run(tmp_path, overrides)
+    llm = run.engine.llm
+    evaluations = 0
+    for step in range(1, run.num_rollout_steps + 1):
+        evaluations += recipe.eval_due(run, step - 1)
+        rows, samples, phases = recipe.generation_phase(run, step)
+        assert len(samples) == run.cfg.prompts_per_rank * run.cfg.num_generations and "sync_s" in phases
+        assert llm.sleeping_tags == {"weights", "kv_cache"}  # asleep for the update phase
+    recipe.final_evaluation(run, run.num_rollout_steps)
+    assert evaluations == 2  # before training and after optimizer step 8 (rollout step 2); the final one besides
+    assert llm.generations == run.num_rollout_steps + 2 * (evaluations + 1)  # greedy and sampled per evaluation
+    assert run.engine.sleep_level == (2 if overrides == ["lora.merge=true"] else 1)  # sync=false: keep the weights
+
+
+def test_the_contract_catches_a_generation_with_the_engine_asleep(monkeypatch, tmp_path):
+    """What the recipe did before: sleep after each generation. The stand-in (and the engine) refuse the next one."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", SleepContractLLM)
+    engine = contract_run(tmp_path, []).engine
+    with pytest.raises(AssertionError, match="would wait forever"):
+        engine.llm.generate([[1]], SimpleNamespace(n=1))
+    with pytest.raises(EngineStateError, match="outside `with engine.awake"):
+        engine.generate([[1]], SimpleNamespace(n=1))
+    with engine.awake(), pytest.raises(EngineStateError, match="level-2 sleep discarded"):
+        engine.generate([[1]], SimpleNamespace(n=1))  # merge=true and nothing pushed since the engine started
 
 
 # ----------------------------------------------------------------------------- memory plan at Qwen3-4B's size
@@ -168,23 +284,9 @@ def test_honoured_fsdp_keys_reach_fully_shard():
     ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true", "fsdp_activation_checkpointing_offload"),
     ("FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules"),
     ("ACCELERATE_MIXED_PRECISION", "fp16", "mixed_precision"),
+    ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading"),
 ])
 def test_fsdp_keys_the_recipe_would_not_carry_out_are_refused_by_name(variable, value, key):
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", variable: value}
     with pytest.raises(ConfigError, match=f"accelerate config {key}='{value}' is not supported"):
         fsdp_settings(env)
-
-
-def test_shipped_accelerate_configs_are_accepted_as_accelerate_exports_them(tmp_path):
-    """`accelerate launch` itself turns each shipped config into the environment fsdp_settings reads."""
-    probe = tmp_path / "probe.py"
-    probe.write_text("import os, json; print('ENV=' + json.dumps({k: v for k, v in os.environ.items() "
-                     "if k.startswith(('FSDP_', 'ACCELERATE_'))}))")
-    for config in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
-        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                               "--num_processes", "1", "--num_machines", "1", "--machine_rank", "0", str(probe)],
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-        line = next((line for line in proc.stdout.splitlines() if line.startswith("ENV=")), None)
-        assert line, (config.name, proc.stderr[-3000:])
-        settings = fsdp_settings(json.loads(line[4:]))
-        assert settings.reshard_after_forward and not settings.offload_params, config.name

@@ -69,9 +69,10 @@ def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype
     assert proc.returncode != 0
     assert "broken or skipped weight sync" in proc.stderr
     assert len(metrics) <= 4, [m["rollout_logprob_diff_mean"] for m in metrics]
-    limit = {"float32": 1e-4, "bfloat16": 2e-2}[dtype]
-    assert metrics[0]["rollout_logprob_diff_mean"] <= limit / 4  # rollout step 1: nothing trained yet
-    assert metrics[-1]["rollout_logprob_diff_mean"] > limit
+    default = {"float32": 1e-4, "bfloat16": 2e-2}[dtype]
+    baseline = metrics[0]["rollout_logprob_diff_mean"]  # rollout step 1: nothing trained yet
+    assert baseline <= default / 4
+    assert metrics[-1]["rollout_logprob_diff_mean"] > max(default, 10 * baseline)  # the calibrated limit
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merge_on", "merge_off"])

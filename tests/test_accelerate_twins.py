@@ -1,0 +1,95 @@
+"""CPU twins of the GPU accelerate configs: each shipped YAML with only its device and process layout changed.
+
+A twin keeps every `fsdp_*` key and `mixed_precision` of its GPU config and runs 2 processes on gloo, so
+`accelerate launch` exports for it what it exports for the GPU config (checked), and the recipe's start-up and
+two rollout steps run under exactly that environment. Twins that come out identical run once. Adding a YAML to
+accelerate_configs/ adds its twin.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM
+
+from parallel import check_same_weights, fsdp_settings
+from recipe_runs import CPU_ACCELERATE_CONFIG, ROOT, launch
+
+GPU_CONFIGS = sorted(p for p in (ROOT / "accelerate_configs").glob("*.yaml") if p != CPU_ACCELERATE_CONFIG)
+LAYOUT_KEYS = ("num_machines", "num_processes", "machine_rank", "main_process_ip", "main_process_port",
+               "rdzv_backend", "same_network", "gpu_ids", "use_cpu")
+TWIN_RUN = ("max_steps=4", "vllm.max_logprob_diff=1e-9")
+TIMINGS = re.compile(r"(_s|_per_s|peak_mem_gb)$")
+
+
+def cpu_twin(config: Path) -> dict:
+    """``config`` on 2 CPU processes of one machine; everything else (fsdp_config, mixed_precision) as written."""
+    twin = {k: v for k, v in yaml.safe_load(config.read_text()).items() if k not in LAYOUT_KEYS}
+    return {**twin, "use_cpu": True, "num_machines": 1, "num_processes": 2, "machine_rank": 0}
+
+
+def twins() -> dict[str, list[str]]:
+    """Distinct twins (as YAML text) -> the GPU configs they stand for."""
+    groups: dict[str, list[str]] = {}
+    for config in GPU_CONFIGS:
+        groups.setdefault(yaml.safe_dump(cpu_twin(config), sort_keys=True), []).append(config.stem)
+    return groups
+
+
+def exported_fsdp_env(config: Path, tmp_path: Path) -> dict:
+    """The FSDP_*/ACCELERATE_* environment `accelerate launch` gives a process for ``config`` (one process)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, json; print('ENV=' + json.dumps({k: v for k, v in os.environ.items() "
+                     "if k.startswith(('FSDP_', 'ACCELERATE_MIXED', 'ACCELERATE_USE_FSDP'))}))")
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                           "--num_processes", "1", "--num_machines", "1", "--machine_rank", "0", str(probe)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("ENV=")), None)
+    assert line, (config.name, proc.stderr[-3000:])
+    return json.loads(line[4:])
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=[c.stem for c in GPU_CONFIGS])
+def test_a_twin_gets_the_launch_environment_of_its_gpu_config(config, tmp_path):
+    twin = tmp_path / "twin.yaml"
+    twin.write_text(yaml.safe_dump(cpu_twin(config)))
+    env = exported_fsdp_env(config, tmp_path)
+    assert env == exported_fsdp_env(twin, tmp_path)
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false", "accelerate would zero the weights of ranks != 0"
+    settings = fsdp_settings(env)  # accepted as accelerate exports it
+    assert settings.reshard_after_forward and not settings.offload_params, config.name
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory, tiny_model):
+    """Two rollout steps with the CPU config (the reference every twin must reproduce), with the guard's floor
+    set below this model's own fp32 kernel difference: the first step's baseline sets the limit, and the run goes on."""
+    out = tmp_path_factory.mktemp("cpu-config")
+    proc, metrics = launch(out, tiny_model, *TWIN_RUN)
+    log = (out / "run" / "train.log").read_text()
+    baseline = metrics[0]["rollout_logprob_diff_mean"]
+    assert baseline > 1e-9 and f"the run stops above {10 * baseline:.3g}" in log
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return out, metrics
+
+
+@pytest.mark.parametrize("twin_yaml", list(twins()), ids=["+".join(names) for names in twins().values()])
+def test_the_recipe_under_each_twin_loads_the_real_weights_and_trains_as_the_cpu_config(twin_yaml, cpu_run,
+                                                                                           tmp_path, tiny_model):
+    config = tmp_path / "twin.yaml"
+    config.write_text(twin_yaml)
+    proc, metrics = launch(tmp_path, tiny_model, *TWIN_RUN, accelerate_config=config)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    log = (tmp_path / "run" / "train.log").read_text()
+    plain = check_same_weights(AutoModelForCausalLM.from_pretrained(tiny_model), rank=0, world=1)
+    assert f"base weights identical on all 2 process(es) before sharding (sha1 {plain})" in log
+    reference = cpu_run[1]
+    assert len(metrics) == len(reference) == 2
+    for twin_line, cpu_line in zip(metrics, reference):
+        deterministic = {k for k in cpu_line if not TIMINGS.search(k)}
+        assert {k: twin_line[k] for k in deterministic} == {k: cpu_line[k] for k in deterministic}
