@@ -52,6 +52,12 @@ def _reload_repacking_cpu_experts(worker, weights_iterator: Iterable[tuple[str, 
     return len(old_kernels)
 
 
+def in_process_model(llm) -> torch.nn.Module:
+    """The model inside an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or one engine per rank
+    with ``external_launcher``): vLLM 0.32 keeps it at ``llm_engine.model_executor.driver_worker.model_runner``."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
 def reload_vllm_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load checkpoint-format ``weights`` (e.g. ``merged_lora_params(model, dtype=...)``) into ``llm``, in place.
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench_common import machine_info, with_random_lora
-from rollout_engine import RolloutEngine
-from tiny_gsm8k import MOE_SIZES, build_tiny_model, format_prompt, make_problems
+from grpo.bench_common import machine_info, with_random_lora
+from grpo.rollout_engine import RolloutEngine
+from grpo.tiny_gsm8k import MOE_SIZES, build_tiny_model, format_prompt, make_problems
 
 MOE_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -6,7 +6,7 @@ The script launches itself twice under ``torchrun --nproc_per_node 2`` (gloo, ``
 phase with glibc's default malloc, as the recipe runs, and a memory phase with ``MALLOC_MMAP_THRESHOLD_=65536``
 (every tensor of 64 KiB or more is its own mmap, returned to the system when freed, so RSS follows the live
 tensors; it also makes every large allocation page-fault, which slows syncs ~2x, hence two launches). In
-each, every rank builds the same LoRA Qwen3 (``recipes/tiny_gsm8k.py``, non-zero lora_B), shards it with
+each, every rank builds the same LoRA Qwen3 (``grpo/tiny_gsm8k.py``, non-zero lora_B), shards it with
 ``fully_shard`` per decoder layer then the root (the recipe's ``parallel.apply_fsdp``), and builds the recipe's
 ``RolloutEngine`` (in-process vLLM, one per rank). Every method ends in the engine's push,
 ``RolloutEngine.push_weights`` (``collective_rpc("reload_weights", ...)``); ours is the recipe's sync itself:
@@ -57,10 +57,10 @@ import torch.distributed as dist
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
+from grpo.bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
 from merge import decoder_layers, merged_lora_params, normalize_peft_param_name
 from merge.trl import merged_lora_weights, push_merged_lora_to_llm
-from rollout_engine import RolloutEngine
+from grpo.rollout_engine import RolloutEngine
 
 METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict", "trl_integration"]
 MERGING = ["trl_merge_unmerge", "full_state_dict", "trl_integration"]  # must equal ours, tensor by tensor
@@ -173,8 +173,8 @@ def local_shards(model) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- one rank
 def worker(args) -> None:
     """One rank of one phase: "time" (correctness checks, timing, the literal TRL call) or "memory"."""
-    from parallel import apply_fsdp
-    from tiny_gsm8k import build_tiny_model
+    from grpo.parallel import apply_fsdp
+    from grpo.tiny_gsm8k import build_tiny_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -246,7 +246,7 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
     """The timing phase: correctness checks, interleaved timed syncs, then the literal TRL call."""
     from vllm import SamplingParams
 
-    from tiny_gsm8k import format_prompt, make_problems
+    from grpo.tiny_gsm8k import format_prompt, make_problems
 
     # 1. correctness: the same tensors name by name, and the same greedy generations from vLLM after each push
     collected, changed = {}, {}
@@ -300,9 +300,8 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
 
     # 3. the literal TRL call (model.load_weights per pair), once, last: it may leave the engine broken
     try:
-        runner = engine.llm.llm_engine.model_executor.driver_worker.model_runner
         for name, param in trl_params(model):
-            runner.model.load_weights([(name, param)])
+            engine.model.load_weights([(name, param)])
         engine.sync_merged(model)
         literal = dict(ok=True, same_greedy_tokens_as_merged_lora_params=generate()[0] == ref_tokens,
                        note="per-pair load_weights ran; checked after a reload_weights push of ours")
@@ -422,7 +421,7 @@ def main() -> None:
             parts[phase] = json.loads(part.read_text())
 
     # Drift: one process, unsharded, bf16 (the same arithmetic as on FSDP2 shards, without the processes).
-    from tiny_gsm8k import build_tiny_model
+    from grpo.tiny_gsm8k import build_tiny_model
 
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM

@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_trl.py \
         --config recipes/configs/trl_tiny_cpu.yaml [--max_steps 8 --run_name trl-short ...]
 
-The TRL counterpart of ``recipes/grpo_qwen3_4b.py``: the same embedded default (``recipes/tiny_gsm8k.py``: the
+The TRL counterpart of ``recipes/grpo_qwen3_4b.py``: the same embedded default (``grpo/tiny_gsm8k.py``: the
 tiny Qwen3, generated GSM8K-style problems, ``gsm8k_exact_answer_reward``), the same hyperparameters in the
 config, trained by ``trl.GRPOTrainer`` with a colocated vLLM engine; ``merge.trl.use_merged_lora_sync(trainer)``
 replaces TRL's merge/unmerge weight sync (``--sync trl`` keeps TRL's own, for comparison where it runs: it
@@ -40,9 +40,9 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from grpo_data import load_reward_funcs  # noqa: E402
-from parallel import reduce_across_ranks  # noqa: E402
-from tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
+from grpo.data import load_reward_funcs  # noqa: E402
+from grpo.parallel import reduce_across_ranks  # noqa: E402
+from grpo.tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
 
 
 @dataclass
@@ -54,7 +54,7 @@ class TinyGsm8kArguments:
                 "cached; null (or none) to use model_name_or_path as it is"})
     build_seed: int = field(default=0, metadata={"help": "seed of the embedded model's build"})
     num_generated: int = field(default=4096, metadata={"help": "generated GSM8K-style problems to train on"})
-    reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"], metadata={
+    reward_funcs: list[str] = field(default_factory=lambda: ["grpo.tiny_gsm8k:gsm8k_exact_answer_reward"], metadata={
         "help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"})
     sync: str = field(default="merged_lora_params", metadata={
         "help": "merged_lora_params (merge.trl) or trl (TRL's own merge/unmerge sync)", "choices": [

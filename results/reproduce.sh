@@ -27,5 +27,5 @@ rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy resu
 "${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null run_name=tiny-cpu-attn-packed
 "${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null model.attn_implementation=sdpa run_name=tiny-cpu-attn-sdpa
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-attn-packed results/tiny-cpu-attn-sdpa --out results/attention.png
-.venv/bin/python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape --world 1 8 \
+.venv/bin/python -m grpo.memory_plan --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape --world 1 8 \
     > results/memory_plan_qwen3_4b.txt

@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The embedded default model with a short warm-up (some rewards > 0), built once per test session."""
-    from tiny_gsm8k import build_tiny_model
+    from grpo.tiny_gsm8k import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", warmup_steps=60)
 
@@ -12,6 +12,6 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_moe_model(tmp_path_factory):
     """The embedded mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) with a short warm-up."""
-    from tiny_gsm8k import build_tiny_model
+    from grpo.tiny_gsm8k import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe", size="tiny-moe", warmup_steps=60)

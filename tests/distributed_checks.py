@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_common import rss_peak_during, with_random_lora
-from checkpointing import full_adapter_state
+from grpo.bench_common import rss_peak_during, with_random_lora
+from grpo.checkpointing import full_adapter_state
 from merge import merged_lora_params
 from padding import packed_log_probs
-from parallel import apply_activation_checkpointing, apply_fsdp, check_same_weights, check_shared_output_dir
+from grpo.parallel import apply_activation_checkpointing, apply_fsdp, check_same_weights, check_shared_output_dir
 from qwen3_lora import tiny_qwen3
 
 
@@ -135,7 +135,7 @@ def sampling_streams(rank: int, tmp: Path) -> None:
     """Each rank's engine draws its own samples; the same prompt twice in one rollout gets different completions."""
     from vllm import SamplingParams
 
-    from rollout_engine import RolloutEngine
+    from grpo.rollout_engine import RolloutEngine
 
     engine = RolloutEngine(str(tmp / "model"), dtype="float32", seed=rank, max_model_len=64, kv_cache_gb=0.05,
                            distributed=True)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from parallel import check_same_weights, fsdp_settings
+from grpo.parallel import check_same_weights, fsdp_settings
 from recipe_runs import CPU_ACCELERATE_CONFIG, ROOT, launch
 
 GPU_CONFIGS = sorted(p for p in (ROOT / "accelerate_configs").glob("*.yaml") if p != CPU_ACCELERATE_CONFIG)

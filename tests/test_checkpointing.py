@@ -10,12 +10,12 @@ import pytest
 import torch
 from peft import PeftModel
 
-import checkpointing
-from checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
-from grpo_config import ConfigError, load_config
-from parallel import fsdp_settings
+from grpo import checkpointing
+from grpo.checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
+from grpo.config import ConfigError, load_config
+from grpo.parallel import fsdp_settings
 from recipe_runs import run_recipe
-from rollout_engine import check_vllm_lora_targets
+from grpo.rollout_engine import check_vllm_lora_targets
 from qwen3_lora import tiny_lora, tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import trl
 from peft import LoraConfig
 
-from grpo_config import ConfigError, LoraSettings, RecipeConfig, load_config
+from grpo.config import ConfigError, LoraSettings, RecipeConfig, load_config
 from recipe_runs import launch_command, launch_env, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,3 +141,28 @@ def test_a_config_error_is_one_line_from_one_process_with_exit_code_2(tmp_path):
     ours = [line for line in launched.stderr.splitlines() if "top_p" in line]
     assert ours == ["error: top_p=1.5 is out of range: it must be in (0, 1]"], launched.stderr[-3000:]  # rank 0 only
     assert "[rank" not in launched.stderr  # no traceback from the recipe's processes (the launcher adds its summary)
+
+
+def test_a_lora_target_that_matches_nothing_is_refused_before_the_model_loads(tmp_path, tiny_model):
+    proc = run_recipe(tmp_path, f"model.name_or_path={tiny_model}", "model.build_tiny=null",
+                      "lora.target_modules=[q_proj, nope_proj]")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: lora.target_modules=['q_proj', 'nope_proj'] names ['nope_proj'], which match nothing in {tiny_model}; "
+        "its decoder layers hold ['down_proj', 'gate_proj', 'input_layernorm', 'k_norm', 'k_proj', 'mlp', "
+        "'o_proj', 'post_attention_layernorm', 'q_norm', 'q_proj', 'self_attn', 'up_proj', 'v_proj']"], proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run folder, the data and the model
+
+
+def test_the_bare_command_without_a_model_says_how_to_run_the_embedded_default(tmp_path, monkeypatch):
+    from grpo.run import hub_reachable_or_cached
+
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py")], cwd=tmp_path,
+                          env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("error: model.name_or_path='Qwen/Qwen3-4B' does not exist locally and HF_HUB_OFFLINE=1")
+    assert line.endswith("recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml"), line
+    assert not (tmp_path / "results").exists()
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://hub.invalid")  # a name that never resolves
+    assert not hub_reachable_or_cached("Qwen/Qwen3-4B")

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from grpo_config import ConfigError, load_config
-from memory_plan import GIB, check_fits, memory_plan
-from parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
-from qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
+from grpo.config import ConfigError, load_config
+from grpo.memory_plan import GIB, check_fits, memory_plan
+from grpo.parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
+from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
 from qwen3_lora import tiny_lora
-from rollout_engine import EngineStateError, RolloutEngine, engine_kwargs, recipe_engine_args
+from grpo.rollout_engine import EngineStateError, RolloutEngine, engine_kwargs, recipe_engine_args
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
@@ -179,8 +179,9 @@ class SleepContractLLM:
 
 def contract_run(tmp_path, overrides: list[str]):
     """A `Run` of the recipe around an engine on `SleepContractLLM` (sleep mode as on a GPU) and a tiny policy."""
-    from grpo_qwen3_4b import Run
-    from trackers import Trackers
+    from grpo.faults import LogprobGuard
+    from grpo.run import Run
+    from grpo.trackers import Trackers
 
     cfg = load_config(ROOT / "recipes" / "configs" / "tiny_cpu.yaml",
                       ["vllm.enable_sleep_mode=true", "eval_steps=8", "max_steps=16", *overrides])
@@ -191,7 +192,7 @@ def contract_run(tmp_path, overrides: list[str]):
                                                                          zip(completions, answer)]},
                pad_id=0, model=tiny_lora(), optimizer=None, scheduler=None, engine=engine,
                trackers=Trackers([], "t", tmp_path, {}, 0), eval_problems=problems[:3], loss_settings=None,
-               compute_dtype=torch.float32, num_rollout_steps=4, resumed_rollout_step=0)
+               compute_dtype=torch.float32, num_rollout_steps=4, resumed_rollout_step=0, guard=LogprobGuard(cfg))
 
 
 @pytest.mark.parametrize("overrides", [["lora.merge=true"], ["lora.merge=false"], ["vllm.sync=false"]],
@@ -209,7 +210,7 @@ def test_the_recipes_phases_keep_vllms_sleep_contract(monkeypatch, tmp_path, ove
     llm = run.engine.llm
     evaluations = 0
     for step in range(1, run.num_rollout_steps + 1):
-        evaluations += recipe.eval_due(run, step - 1)
+        evaluations += run.eval_due(step - 1)
         rows, samples, phases = recipe.generation_phase(run, step)
         assert len(samples) == run.cfg.prompts_per_rank * run.cfg.num_generations and "sync_s" in phases
         assert llm.sleeping_tags == {"weights", "kv_cache"}  # asleep for the update phase

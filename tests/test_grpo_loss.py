@@ -1,4 +1,4 @@
-"""recipes/grpo_loss.py against TRL 1.16's own code, on the same tensors.
+"""grpo/loss.py against TRL 1.16's own code, on the same tensors.
 
 The loss and its gradient come from ``GRPOTrainer._compute_loss`` on a trainer built without ``__init__``: only
 the attributes that method reads are set, and ``_get_per_token_logps_and_entropies`` returns the test's tensors.
@@ -19,7 +19,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from grpo_loss import (
+from grpo.loss import (
     LossSettings,
     accumulate_stats,
     check_supported,
@@ -387,7 +387,7 @@ def test_settings_defaults_are_trls():
 
 
 def test_settings_from_the_recipe_config():
-    from grpo_config import RecipeConfig
+    from grpo.config import RecipeConfig
 
     recipe = RecipeConfig()
     settings = LossSettings.from_config(recipe, num_processes=2)

@@ -1,4 +1,4 @@
-"""Qwen3-4B's exact architecture, two of its 36 decoder layers (recipes/qwen3_4b_shape.py), through the recipe on CPU.
+"""Qwen3-4B's exact architecture, two of its 36 decoder layers (grpo/qwen3_4b_shape.py), through the recipe on CPU.
 
 One process, one rollout step with a tiny batch: the memory plan, the merged push at the real layer and vocabulary
 sizes, and the fidelity checks. In fp32: CPUs without native bf16 arithmetic (AVX2) take over 5 minutes for this
@@ -9,9 +9,9 @@ the embedded default by tests/test_grpo_e2e.py.
 import json
 
 import pytest
-from grpo_config import load_config
-from memory_plan import memory_plan
-from qwen3_4b_shape import QWEN3_4B, build_qwen3_4b_shape
+from grpo.config import load_config
+from grpo.memory_plan import memory_plan
+from grpo.qwen3_4b_shape import QWEN3_4B, build_qwen3_4b_shape
 from recipe_runs import ROOT, run_recipe
 from safetensors.torch import load_file
 from transformers import AutoConfig

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from grpo_config import ConfigError, load_config
-from grpo_data import group_advantages, load_problems, make_batch, reward_columns, select, tokenize_prompts
+from grpo.config import ConfigError, load_config
+from grpo.data import group_advantages, load_problems, make_batch, reward_columns, select, tokenize_prompts
 from padding import no_padding_2_padding, unpad
-from rollout_engine import Sample
-from tiny_gsm8k import build_tokenizer, gsm8k_exact_answer_reward
+from grpo.rollout_engine import Sample
+from grpo.tiny_gsm8k import build_tokenizer, gsm8k_exact_answer_reward
 
 
 def test_group_advantages():

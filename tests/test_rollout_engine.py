@@ -1,4 +1,4 @@
-"""The rollout engine (recipes/rollout_engine.py): one push for the recipe and both benchmarks, checked strictly."""
+"""The rollout engine (grpo/rollout_engine.py): one push for the recipe and both benchmarks, checked strictly."""
 
 import ast
 import logging
@@ -11,10 +11,10 @@ from vllm import SamplingParams
 
 import bench_rollout
 import bench_sync
-from bench_common import with_random_lora
+from grpo.bench_common import with_random_lora
 from merge import merged_lora_params
 from padding import packed_log_probs
-from rollout_engine import RolloutEngine, WeightPushError
+from grpo.rollout_engine import RolloutEngine, WeightPushError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +32,10 @@ def calls_in(path: Path) -> set[str]:
 def test_the_benchmarks_time_the_recipes_own_sync():
     assert bench_sync.SYNC_OF_THE_RECIPE is RolloutEngine.sync_merged
     assert bench_sync.RolloutEngine is RolloutEngine and bench_rollout.RolloutEngine is RolloutEngine
-    for script in ("grpo_qwen3_4b.py", "bench_rollout.py"):
-        assert "sync_merged" in calls_in(ROOT / "recipes" / script), script
+    assert "sync_policy" in calls_in(ROOT / "recipes" / "grpo_qwen3_4b.py")  # -> sync_merged when merge=true
+    assert "sync_merged" in calls_in(ROOT / "recipes" / "bench_rollout.py")
     # the push itself is written once: no other file calls vLLM's reload or builds an engine
-    for path in sorted((ROOT / "recipes").glob("*.py")):
+    for path in sorted([*(ROOT / "recipes").glob("*.py"), *(ROOT / "grpo").glob("*.py")]):
         if path.name != "rollout_engine.py":
             calls = calls_in(path)
             assert "collective_rpc:reload_weights" not in calls and "LLM" not in calls, path.name

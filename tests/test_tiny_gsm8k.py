@@ -6,7 +6,7 @@ import re
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tiny_gsm8k import (build_tiny_model, build_tokenizer, extract_answer, gsm8k_exact_answer_reward, make_problems,
+from grpo.tiny_gsm8k import (build_tiny_model, build_tokenizer, extract_answer, gsm8k_exact_answer_reward, make_problems,
                         with_slips)
 
 

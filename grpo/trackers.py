@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_config import ConfigError
+from grpo.config import ConfigError
 
 
 def _tracker_classes() -> tuple[dict, set[str]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo_loss import check_supported as check_supported_loss
+from grpo.loss import check_supported as check_supported_loss
 
 
 class ConfigError(ValueError):
@@ -122,7 +122,7 @@ class RecipeConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    # --- the loss (recipes/grpo_loss.py: TRL 1.16's GRPOTrainer._compute_loss, same names, defaults, meaning) ---
+    # --- the loss (grpo/loss.py: TRL 1.16's GRPOTrainer._compute_loss, same names, defaults, meaning) ---
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
     epsilon: float = 0.2
@@ -146,7 +146,7 @@ class RecipeConfig:
     save_total_limit: int | None = 2  # keep the newest N checkpoints (None: all)
     resume_from_checkpoint: str | None = None  # a checkpoint-<N> folder, or "last" (alias: resume_from)
     # GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: f(completions, **columns) -> list[float])
-    reward_funcs: list[str] = field(default_factory=lambda: ["tiny_gsm8k:gsm8k_exact_answer_reward"])
+    reward_funcs: list[str] = field(default_factory=lambda: ["grpo.tiny_gsm8k:gsm8k_exact_answer_reward"])
     # --- sections ---
     model: ModelSettings = field(default_factory=ModelSettings)
     data: DataSettings = field(default_factory=DataSettings)

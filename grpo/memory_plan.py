@@ -1,7 +1,7 @@
 """Memory per device for each phase of a rollout step, estimated from the model's config alone (no weights).
 
-    python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --world 1 8 [overrides]
-    python recipes/memory_plan.py --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape   # no hub needed
+    python -m grpo.memory_plan --config recipes/configs/qwen3_4b_gsm8k.yaml --world 1 8 [overrides]
+    python -m grpo.memory_plan --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape   # no hub needed
 
 The recipe prints this plan at start and stops before loading anything when the largest phase does not fit on the
 device. The terms (per device, bytes):
@@ -32,8 +32,8 @@ import argparse
 
 import torch
 
-from grpo_config import RecipeConfig, load_config
-from rollout_engine import rollout_max_num_seqs
+from grpo.config import RecipeConfig, load_config
+from grpo.rollout_engine import rollout_max_num_seqs
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -146,14 +146,14 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[1, 8], help="processes (GPUs) to plan for")
     parser.add_argument("--device-gib", type=float, default=80.0, help="memory of one device")
     parser.add_argument("--qwen3-4b-shape", action="store_true",
-                        help="plan for Qwen3-4B's architecture (recipes/qwen3_4b_shape.py) instead of model.name_or_path")
+                        help="plan for Qwen3-4B's architecture (grpo/qwen3_4b_shape.py) instead of model.name_or_path")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     from transformers import AutoConfig
 
     cfg = load_config(args.config, args.overrides)
     if args.qwen3_4b_shape:
-        from qwen3_4b_shape import qwen3_4b_config
+        from grpo.qwen3_4b_shape import qwen3_4b_config
 
         model_config = qwen3_4b_config()
     else:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from grpo_config import ConfigError
+from grpo.config import ConfigError
 from merge import decoder_layers
 
 
@@ -210,3 +210,12 @@ def reduce_across_ranks(sums: dict[str, float] | None = None, mins: dict[str, fl
         if values:
             out.update(zip(values, _all_reduce([float(v) for v in values.values()], op)))
     return out
+
+
+def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D ``values``, concatenated (lengths may differ); the entropy quantile pools them, as TRL."""
+    if not torch.distributed.is_initialized():
+        return values
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, values.cpu())
+    return torch.cat(everyone).to(values.device)

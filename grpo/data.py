@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_config import ConfigError, RecipeConfig
+from grpo.config import ConfigError, RecipeConfig
 
 log = logging.getLogger("grpo")
 
@@ -59,7 +59,7 @@ def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
     """The rows of data.split (or ``split``) as dicts: the generated problems, a local file/folder, or a hub dataset."""
     split = split or cfg.data.split
     if cfg.data.name == "generated":
-        from tiny_gsm8k import make_problems
+        from grpo.tiny_gsm8k import make_problems
 
         return make_problems(cfg.data.num_generated, seed=cfg.seed if split == cfg.data.split else cfg.seed + 1)
     from datasets import load_dataset

@@ -9,7 +9,7 @@ majority, mostly answers one too high even when its working is right, and a samp
 That is what GRPO, rewarded for exact answers, visibly unlearns in the default run: reward and held-out
 accuracy, greedy and sampled, rise (README). Everything is deterministic from a seed and cached on disk.
 
-    python recipes/tiny_gsm8k.py --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
+    python -m grpo.tiny_gsm8k --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
 
 The problems have ``openai/gsm8k``'s columns (``question``, and ``answer`` = reasoning + ``#### <int>``),
 and ``gsm8k_exact_answer_reward`` has TRL's reward-function signature, so both work with the real dataset.

@@ -1,7 +1,7 @@
 """A randomly initialised model with Qwen3-4B's exact architecture: the recipe at real size, without a hub.
 
-    python recipes/qwen3_4b_shape.py --out cache/qwen3-4b-shape              # all 36 layers, bf16 (8 GB on disk)
-    python recipes/qwen3_4b_shape.py --out cache/qwen3-4b-2layers --layers 2  # the slice the CPU tests run
+    python -m grpo.qwen3_4b_shape --out cache/qwen3-4b-shape              # all 36 layers, bf16 (8 GB on disk)
+    python -m grpo.qwen3_4b_shape --out cache/qwen3-4b-2layers --layers 2  # the slice the CPU tests run
 
 The config is Qwen/Qwen3-4B's config.json (36 layers, hidden 2560, 32 query and 8 key/value heads of 128, MLP
 9728, vocab 151936, tied embeddings, rope theta 1e6). The tokenizer is the embedded default's character tokenizer
@@ -44,7 +44,7 @@ def build_qwen3_4b_shape(out_dir: str | Path, num_layers: int = 36, dtype: str =
     """Build (or reuse) the model and tokenizer in ``out_dir``; returns the path. Written atomically."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from tiny_gsm8k import build_tokenizer
+    from grpo.tiny_gsm8k import build_tokenizer
 
     out_dir = Path(out_dir)
     args = dict(num_layers=num_layers, dtype=dtype, seed=seed)

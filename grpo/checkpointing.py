@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from grpo_config import ConfigError
+from grpo.config import ConfigError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 # Keys a resume may change: where things go, how long to run, how the rollout engine is set up.

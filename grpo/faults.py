@@ -1,0 +1,101 @@
+"""What stops a run instead of letting it train on bad numbers: NaN/inf, a signal, an engine that left the trainer.
+
+- `stop_if_nonfinite`: a NaN/inf reward, loss, ratio or gradient norm on any rank stops every rank before the
+  optimizer update (collective), naming the step and the quantity and the last good checkpoint.
+- `StopRequest`: SIGINT/SIGTERM set a flag that the loop reads between phases (save, then exit 128 + signal).
+- `LogprobGuard`: the mean |vLLM - trainer| log-prob of the sampled tokens, above a limit calibrated at the first
+  rollout step, means vLLM serves other weights than the trainer's (a broken or skipped sync).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from grpo.config import MAX_LOGPROB_DIFF, RecipeConfig
+from grpo.parallel import reduce_across_ranks
+
+log = logging.getLogger("grpo")
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or inf in a training quantity; the step was stopped before it could change the weights."""
+
+
+def stop_if_nonfinite(where: str, quantities: dict[str, torch.Tensor], last_checkpoint: Path | None) -> None:
+    """Collective: every rank raises if any rank found a NaN/inf in one of ``quantities``."""
+    local = [v.full_tensor() if isinstance(v, DTensor) else v for v in quantities.values()]
+    bad = reduce_across_ranks(maxs={name: float(not bool(torch.isfinite(v.detach()).all()))
+                                    for name, v in zip(quantities, local)})
+    names = [name for name, flag in bad.items() if flag]
+    if names:
+        resume = (f"the last good checkpoint is {last_checkpoint}: resume with resume_from_checkpoint={last_checkpoint} "
+                  "(e.g. with a lower learning_rate)" if last_checkpoint else "no checkpoint was written yet")
+        raise NonFiniteError(f"{where}: non-finite {', '.join(names)} (NaN or inf); stopped before the optimizer "
+                             f"update, no checkpoint written after it; {resume}")
+
+
+class StopRequest:
+    """SIGINT/SIGTERM only set a flag: the loop checks it between phases, saves a checkpoint and exits."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        if not self.signum:
+            log.warning("%s received: stopping at the next step boundary, after a checkpoint",
+                        signal.Signals(signum).name)
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (a collective, so that all ranks stop at the same point), or 0."""
+        return int(reduce_across_ranks(maxs={"signal": self.signum})["signal"])
+
+
+class LogprobGuard:
+    """Stops the run when vLLM stops serving the trainer's weights, judged by the mean |vLLM - trainer| log-prob.
+
+    The first rollout step of a run (LoRA B = 0: engine and trainer differ by their kernels alone) calibrates the
+    guard: the limit is the larger of vllm.max_logprob_diff (or the dtype's default) and ``BASELINE_MULTIPLE``
+    times that baseline, so other kernels (vLLM's GPU attention and CUDA graphs against SDPA) do not stop a
+    healthy run. A baseline far above any kernel difference (``BASELINE_CEILING`` x the dtype's default) means
+    the very first sync is broken. The baseline is kept in checkpoints (``baseline``), so a resumed run keeps it.
+    """
+
+    BASELINE_MULTIPLE = 10
+    BASELINE_CEILING = 50
+
+    def __init__(self, cfg: RecipeConfig, baseline: float | None = None):
+        self.floor = cfg.max_logprob_diff()
+        self.ceiling = self.BASELINE_CEILING * MAX_LOGPROB_DIFF[cfg.model.dtype]
+        self.dtype = cfg.model.dtype
+        self.baseline = baseline
+
+    @property
+    def limit(self) -> float:
+        return max(self.floor, self.BASELINE_MULTIPLE * self.baseline)
+
+    def check(self, rollout_step: int, diff: float) -> None:
+        """Raise if ``diff`` (this rollout step's mean |vLLM - trainer|) says the engine left the trainer."""
+        if self.baseline is None:
+            if diff > self.ceiling:
+                raise RuntimeError(
+                    f"rollout step {rollout_step}: rollout_logprob_diff_mean={diff:.3g} before any update exceeds "
+                    f"{self.ceiling:g} ({self.BASELINE_CEILING}x the {self.dtype} default): vLLM does not serve the "
+                    "trainer's weights even at the start (a broken weight sync or a different checkpoint)")
+            self.baseline = diff
+            log.info("log-prob guard: baseline |vLLM - trainer| %.3g at rollout step %d; the run stops above %.3g",
+                     diff, rollout_step, self.limit)
+        if diff > self.limit:
+            raise RuntimeError(
+                f"rollout step {rollout_step}: rollout_logprob_diff_mean={diff:.3g} exceeds the guard's limit "
+                f"{self.limit:.3g} (the larger of vllm.max_logprob_diff={self.floor:g} and {self.BASELINE_MULTIPLE}x "
+                f"the first step's baseline {self.baseline:.3g}): vLLM is not serving the trainer's weights (a broken "
+                "or skipped weight sync); stopping instead of training on stale rollouts. (If the sync works and "
+                "your kernels just differ more, raise vllm.max_logprob_diff.)")

@@ -1,0 +1,106 @@
+"""The metrics of a rollout step: statistics reduced across ranks by name, one line of metrics.jsonl, the trackers.
+
+`log_metrics` reduces each named statistic with its own operation (sums, `*_min`, `*_max`; phase times are the
+slowest rank's), `step_metrics` turns the totals into the line the plots read, `write_metrics` appends it
+(rank 0) and hands it to the trackers (`report_to`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import resource
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from grpo.loss import reduce_op
+from grpo.parallel import reduce_across_ranks
+
+if TYPE_CHECKING:
+    from grpo.run import Run
+
+log = logging.getLogger("grpo")
+
+
+def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, update_stats: dict, t_step: float) -> dict:
+    """6. Reduce this rollout step's statistics across ranks by name, append them to metrics.jsonl (rank 0)."""
+    mask = batch["response_mask"].bool()
+    diff = (batch["vllm_logprobs"] - batch["old_logprobs"]).abs()[mask]
+    local = dict(reward_sum=rewards.nansum().item(), reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
+                 samples=len(rewards), logprob_diff_sum=diff.sum().item(), logprob_diff_count=diff.numel(),
+                 logprob_diff_max=diff.max().item() if diff.numel() else 0.0, **phases, **update_stats)
+    kinds = {"sums": {}, "mins": {}, "maxs": {}}
+    for name, value in local.items():
+        op = "max" if name.endswith(("_s", "_max")) else reduce_op(name)  # phase times: the slowest rank's
+        kinds[op + "s"][name] = value
+    kinds["maxs"]["peak_mem_gb"] = peak_mem_gb(run.device)
+    total = reduce_across_ranks(**kinds)
+    metrics = step_metrics(run, rollout_step, total)
+    metrics["step_s"] = time.perf_counter() - t_step
+    write_metrics(run, metrics)
+    if run.rank == 0:
+        log.info("rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
+                 "|vllm-trainer| %.2e tok/s %.0f sync %.2fs", rollout_step, run.num_rollout_steps,
+                 metrics["global_step"], metrics["reward_mean"], metrics["ratio_mean"], metrics["ratio_min"],
+                 metrics["ratio_max"], metrics["ratio_onpolicy_maxdev"], metrics["rollout_logprob_diff_mean"],
+                 metrics["rollout_tokens_per_s"], metrics["sync_s"])
+    return metrics
+
+
+def step_metrics(run: Run, rollout_step: int, total: dict) -> dict:
+    """The metrics.jsonl line of a rollout step, from its statistics summed (min-ed, max-ed) over ranks."""
+    n, ratios = total["samples"], max(1.0, total["ratio_count"])
+    reward_mean = total["reward_sum"] / n
+    metrics = dict(
+        rollout_step=rollout_step, global_step=run.global_step(rollout_step), merge=run.cfg.lora.merge,
+        legacy_slice=run.cfg.padding.legacy_slice, reward_mean=reward_mean,
+        reward_std=math.sqrt(max(0.0, total["reward_sq_sum"] / n - reward_mean**2)),
+        ratio_mean=total["ratio_sum"] / ratios, ratio_min=total["ratio_min"], ratio_max=total["ratio_max"],
+        ratio_onpolicy_mean=total["onpolicy_ratio_sum"] / max(1.0, total["onpolicy_ratio_count"]),
+        ratio_onpolicy_maxdev=max(abs(total["onpolicy_ratio_max"] - 1), abs(1 - total["onpolicy_ratio_min"])),
+        rollout_logprob_diff_mean=total["logprob_diff_sum"] / max(1, total["logprob_diff_count"]),
+        rollout_logprob_diff_max=total["logprob_diff_max"], rollout_tokens=int(total["rollout_tokens"]),
+        rollout_s=total["rollout_s"], rollout_tokens_per_s=total["rollout_tokens"] / total["rollout_s"],
+        sync_s=total["sync_s"], update_s=total["update_s"], peak_mem_gb=total["peak_mem_gb"],
+        loss=total["loss_sum"] / total["mini_batches"], lr=run.scheduler.get_last_lr()[0],
+    )
+    if "clip_region" in total:
+        metrics.update(clip_frac=total["clip_region"] / ratios, clip_low_frac=total["clip_low"] / ratios,
+                       clip_high_frac=total["clip_high"] / ratios)
+    if "kl_sum" in total:
+        metrics["kl"] = total["kl_sum"] / max(1.0, total["tokens"])
+    if "vllm_ratio_sum" in total:
+        metrics.update(is_ratio_mean=total["vllm_ratio_sum"] / max(1.0, total["vllm_ratio_count"]),
+                       is_ratio_min=total["vllm_ratio_min"], is_ratio_max=total["vllm_ratio_max"])
+    if "sync_changed_trainer" in total:
+        metrics["sync_changed_trainer"] = int(total["sync_changed_trainer"])
+    return metrics
+
+
+def write_metrics(run: Run, metrics: dict) -> None:
+    """Append one line to metrics.jsonl (the plots' source of truth) and hand it to the trackers (rank 0)."""
+    if run.rank == 0:
+        with open(run.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        run.trackers.log(metrics, step=metrics["global_step"])
+
+
+def params_digest(model) -> str:
+    """SHA-1 of this rank's parameter bytes: proves a sync left the trainer's weights bit-for-bit alone."""
+    digest = hashlib.sha1()
+    for _, param in sorted(model.named_parameters()):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+

@@ -1,0 +1,299 @@
+"""One run of the recipe: its state (`Run`) and its start-up (`setup`), before the first rollout step.
+
+`setup` does the work in the order that lets a bad input fail before anything slow: the accelerate settings and
+the engine's arguments, earlier checkpoints, the model path (built first for the embedded default) and its config,
+the LoRA targets against the model's modules (on the meta device), then the run folder, the data and reward
+columns, the memory plan; then the policy (every rank's weights checked equal before FSDP2 shards them), the
+optimizer and the vLLM engine, and a checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from grpo.checkpointing import check_resumable, list_checkpoints, load_checkpoint, resolve_checkpoint
+from grpo.config import ConfigError, RecipeConfig, config_to_dict
+from grpo.data import check_reward_columns, held_out_problems, load_problems, load_reward_funcs, tokenize_prompts
+from grpo.faults import LogprobGuard
+from grpo.loss import LossSettings
+from grpo.memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
+from grpo.parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_same_weights,
+                           check_shared_output_dir, fsdp_settings, init_distributed)
+from grpo.rollout_engine import RolloutEngine, check_vllm_lora_targets, engine_kwargs, recipe_engine_args
+from grpo.trackers import Trackers, check_report_to
+from merge.vllm_compat import vllm_unservable_lora_targets
+from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
+
+log = logging.getLogger("grpo")
+EMBEDDED_DEFAULT_HINT = ("The embedded default runs offline: accelerate launch --config_file "
+                         "accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_qwen3_4b.py --config "
+                         "recipes/configs/tiny_cpu.yaml")
+
+
+def crossed(every: int, before: int, after: int) -> bool:
+    """Whether a multiple of ``every`` lies in (before, after]: optimizer steps ``before`` -> ``after``."""
+    return after // every > before // every
+
+
+@dataclass
+class Run:
+    """What every phase of a rollout step works with; built once by `setup`."""
+
+    cfg: RecipeConfig
+    rank: int
+    world: int
+    device: torch.device
+    run_dir: Path
+    problems: list[dict]
+    reward_funcs: dict  # config name -> function
+    pad_id: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: RolloutEngine
+    trackers: Trackers
+    eval_problems: list[dict]
+    loss_settings: LossSettings
+    compute_dtype: torch.dtype  # of the forward passes; the LoRA weights and the optimizer stay fp32
+    num_rollout_steps: int
+    resumed_rollout_step: int  # 0 for a fresh run
+    guard: LogprobGuard
+    last_checkpoint: Path | None = None
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.cfg.steps_per_generation * self.cfg.num_iterations
+
+    def global_step(self, rollout_step: int) -> int:
+        """Optimizer steps made once ``rollout_step`` rollout steps are done (TRL's global_step)."""
+        return rollout_step * self.updates_per_rollout
+
+    def eval_due(self, rollout_steps_done: int) -> bool:
+        """Evaluate before training, when eval_steps optimizer steps have passed, and at the end (if eval_steps)."""
+        if self.cfg.eval_steps is None:
+            return False
+        return (rollout_steps_done in (0, self.num_rollout_steps) or crossed(
+            self.cfg.eval_steps, self.global_step(rollout_steps_done - 1), self.global_step(rollout_steps_done)))
+
+    def save_due(self, rollout_step: int) -> bool:
+        """Whether this rollout step crossed a multiple of save_steps (optimizer steps), or is the last one."""
+        return rollout_step == self.num_rollout_steps or crossed(
+            self.cfg.save_steps, self.global_step(rollout_step - 1), self.global_step(rollout_step))
+
+    def autocast(self):
+        """One process has no FSDP mixed precision to cast for it: autocast does (bf16 compute, fp32 LoRA)."""
+        enabled = self.world == 1 and self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
+
+
+def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rollout_step: int) -> Path:
+    """Create results/<run_name>/ (rank 0), route the log into its train.log, trim metrics.jsonl on resume."""
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S")
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            (run_dir / "train.log").write_text("")
+        # mode "a": importing vLLM closes existing handlers (logging.config.dictConfig); "a" reopens, "w" would not
+        logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="a"))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        metrics_file = run_dir / "metrics.jsonl"
+        earlier = metrics_file.read_text().splitlines() if resume and metrics_file.exists() else []
+        # a resumed run keeps the rollout steps up to its checkpoint and redoes the rest (evaluations from the
+        # checkpoint's weights on, too: they come again after the first sync)
+        metrics_file.write_text("".join(line + "\n" for line in earlier if keep_on_resume(json.loads(line),
+                                                                                        resumed_rollout_step)))
+    return run_dir
+
+
+def keep_on_resume(line: dict, resumed_rollout_step: int) -> bool:
+    if any(key.startswith("eval_") for key in line):
+        return line["rollout_step"] < resumed_rollout_step
+    return line["rollout_step"] <= resumed_rollout_step
+
+
+def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
+    """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
+    if cfg.model.build_tiny:
+        if rank == 0:
+            from grpo.tiny_gsm8k import build_tiny_model
+
+            build_tiny_model(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+    name = cfg.model.name_or_path
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    if not Path(name).exists() and (offline or name.startswith(("/", ".", "~")) or name.count("/") != 1):
+        raise ConfigError(f"model.name_or_path={name!r} does not exist locally" + (" and HF_HUB_OFFLINE=1" if offline else "")
+                          + f". {EMBEDDED_DEFAULT_HINT}")
+    if not Path(name).exists() and not hub_reachable_or_cached(name):
+        raise ConfigError(f"model.name_or_path={name!r} is not in the local Hugging Face cache and the hub cannot be "
+                          f"reached. {EMBEDDED_DEFAULT_HINT}")
+
+
+def hub_reachable_or_cached(repo_id: str) -> bool:
+    """Whether ``repo_id``'s config is cached, or the hub's host resolves: without a network, huggingface_hub
+    would retry for half a minute before failing."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return True
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return False
+    return True
+
+
+def model_config_of(cfg: RecipeConfig):
+    """The model's config (no weights); a path without one is a config error naming it."""
+    try:
+        return AutoConfig.from_pretrained(cfg.model.name_or_path)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r} holds no model config ({first_line}). "
+                          f"{EMBEDDED_DEFAULT_HINT}") from None
+
+
+def check_lora_targets(cfg: RecipeConfig, model_config) -> None:
+    """Every lora.target_modules / target_parameters entry names something in the model (peft's suffix rule),
+    checked on the meta device before any weight is loaded."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    modules = [name for name, _ in model.named_modules()]
+    params = [name for name, _ in model.named_parameters()]
+    targets = cfg.lora.target_modules if isinstance(cfg.lora.target_modules, list) else []
+    for key, names, entries in (("lora.target_modules", modules, targets),
+                                ("lora.target_parameters", params, cfg.lora.target_parameters or [])):
+        missing = [t for t in entries if t != "all-linear" and not any(n == t or n.endswith(f".{t}") for n in names)]
+        if missing:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names if ".layers.0." in n})
+            raise ConfigError(f"{key}={entries} names {missing}, which match nothing in {cfg.model.name_or_path}; "
+                              f"its decoder layers hold {leaves}")
+
+
+def check_memory(cfg: RecipeConfig, model_config, world: int, device: torch.device, fsdp: FSDPSettings) -> None:
+    """Log the memory plan per device; stop before loading anything if its largest phase cannot fit."""
+    plan = memory_plan(model_config, cfg, world,
+                       checkpointing=cfg.gradient_checkpointing or fsdp.activation_checkpointing,
+                       compute_dtype="bfloat16" if fsdp.mixed_precision == "bf16" else cfg.model.dtype)
+    available = device_memory_bytes(device)
+    log.info("memory plan per device (grpo/memory_plan.py):\n%s", format_plan(plan, available))
+    problem = check_fits(plan, available, cfg)
+    if problem:
+        raise ConfigError(problem)
+
+
+def build_policy(cfg: RecipeConfig, device: torch.device, rank: int, world: int, fsdp: FSDPSettings):
+    """The base model with a fresh fp32 LoRA adapter, sharded with FSDP2 when there is more than one process.
+
+    Returns (model, compute dtype). The base weights keep model.dtype; the adapter is fp32 whatever the base (peft's
+    and TRL's default: in bf16, AdamW steps of lr 1e-5 are below half an ulp of lora_A and would never land), and
+    the forward computes in bf16 when model.dtype or accelerate's mixed_precision asks for it.
+    """
+    dtype = getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+    )
+    digest = check_same_weights(model, rank, world)  # FSDP2 shards whatever each rank loaded, without a check
+    log.info("base weights identical on all %d process(es) before sharding (sha1 %s)", world, digest)
+    model = model.to(device)
+    if not cfg.lora.merge:
+        check_vllm_lora_targets(model, cfg.lora.target_modules)
+    if cfg.gradient_checkpointing or fsdp.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    lora = {k: v for k, v in config_to_dict(cfg)["lora"].items() if k != "merge"}
+    torch.manual_seed(cfg.seed)  # the same initial adapter on every rank
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+    unservable = [] if cfg.lora.merge else vllm_unservable_lora_targets(model, device.type)
+    if unservable:
+        raise ConfigError(f"lora.merge=false: vLLM 0.32 cannot serve these LoRA targets unmerged on {device.type}: "
+                          f"{unservable[:4]}{' ...' if len(unservable) > 4 else ''} (merge/vllm_compat.py says why); "
+                          "use lora.merge=true (merged weights serve every target)")
+    compute_dtype = torch.bfloat16 if fsdp.mixed_precision == "bf16" else dtype
+    if world > 1:
+        apply_fsdp(model, compute_dtype, fsdp)
+    return model, compute_dtype
+
+
+def lr_lambda(cfg: RecipeConfig, total_updates: int):
+    def schedule(update: int) -> float:
+        if update < cfg.warmup_steps:
+            return (update + 1) / (cfg.warmup_steps + 1)
+        progress = (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps)
+        if cfg.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return schedule
+
+
+def setup(cfg: RecipeConfig) -> Run:
+    """Processes, run folder, data, policy, optimizer, rollout engine; resumed from a checkpoint if asked."""
+    fsdp = fsdp_settings()
+    rank, world, device = init_distributed()
+    # refuses what vLLM cannot do here, before any work
+    engine_kwargs(cfg.model.name_or_path, **recipe_engine_args(cfg, rank=rank, world=world, device_type=device.type))
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    resume = resolve_checkpoint(cfg.resume_from_checkpoint, run_dir) if cfg.resume_from_checkpoint else None
+    earlier_checkpoints = list_checkpoints(run_dir)
+    if resume is None and earlier_checkpoints:
+        raise ConfigError(f"{run_dir} already holds {earlier_checkpoints[-1].name} from an earlier run: continue "
+                          "it with resume_from_checkpoint=last, or choose another run_name or output_dir")
+    if resume:
+        check_resumable(resume, config_to_dict(cfg))
+    resumed_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {}
+    resumed = resumed_state.get("rollout_step", 0)
+    trackers = check_report_to(cfg.report_to)
+    prepare_model_path(cfg, rank)
+    model_config = model_config_of(cfg)
+    check_lora_targets(cfg, model_config)
+    run_dir = start_run_dir(cfg, rank, resume, resumed)
+    check_shared_output_dir(run_dir, rank, world)
+    log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
+    torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
+    reward_funcs = dict(zip(cfg.reward_funcs, load_reward_funcs(cfg.reward_funcs)))
+    problems = load_problems(cfg)
+    check_reward_columns(cfg, list(reward_funcs.values()), problems)
+    check_memory(cfg, model_config, world, device, fsdp)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    problems = tokenize_prompts(cfg, tokenizer, problems)
+    random.Random(cfg.seed).shuffle(problems)
+    eval_problems = held_out_problems(cfg, tokenizer, problems)
+
+    model, compute_dtype = build_policy(cfg, device, rank, world, fsdp)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
+    num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_rollout_steps * updates_per_rollout))
+    engine = RolloutEngine.from_config(cfg, rank=rank, world=world, device_type=device.type)
+    if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
+        load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
+        log.info("resumed from %s: continuing at rollout step %d of %d", resume, resumed + 1, num_rollout_steps)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Run(cfg=cfg, rank=rank, world=world, device=device, run_dir=run_dir, problems=problems,
+               reward_funcs=reward_funcs, pad_id=pad_id, model=model, optimizer=optimizer, scheduler=scheduler,
+               engine=engine, eval_problems=eval_problems,
+               trackers=Trackers(trackers, cfg.run_name, run_dir / "runs", config_to_dict(cfg), rank), loss_settings=LossSettings.from_config(cfg, num_processes=world),
+               compute_dtype=compute_dtype, num_rollout_steps=num_rollout_steps, resumed_rollout_step=resumed,
+               last_checkpoint=resume, guard=LogprobGuard(cfg, resumed_state.get("logprob_diff_baseline")))
+
