@@ -35,7 +35,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-__all__ = ["merged_lora_params", "normalize_peft_param_name", "decoder_layers", "UnsupportedAdapterError"]
+__all__ = [
+    "merged_lora_params",
+    "MergePrecisionStats",
+    "normalize_peft_param_name",
+    "decoder_layers",
+    "UnsupportedAdapterError",
+]
 
 _PEFT_PREFIX = "base_model.model."
 _LORA_ONLY_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
@@ -44,6 +50,76 @@ _LORA_FACTORS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 class UnsupportedAdapterError(ValueError):
     """The adapter cannot be merged by :func:`merged_lora_params` (the message says what and why)."""
+
+
+class MergePrecisionStats:
+    """How much of the LoRA update survives the cast of the merged weights to the engine's dtype (opt-in telemetry).
+
+    Pass one to :func:`merged_lora_params` (``precision_stats=``); it accumulates, over every merged tensor (the
+    weights the adapter changes: LoRA Linear/Embedding weights, a LoRA bias, ``target_parameters`` such as fused
+    MoE experts), with every quantity in fp32:
+
+    - ``Δ = scaling · B @ A`` (peft's delta; recomputed from fp32 factors where peft's is below fp32),
+    - ``d = cast(W + Δ) − cast(W)``: what the engine's weights actually move by (``cast``: to the yielded dtype;
+      ``W``: the base weight as the merge reads it, e.g. bf16, so ``cast(W) = W`` when both are bf16).
+
+    :meth:`metrics` gives ``sync_delta_kept = Σ⟨d, Δ⟩ / Σ‖Δ‖²`` (the share of the update that survives; 1 when
+    nothing is lost), ``sync_delta_rel_err = sqrt(Σ‖d − Δ‖² / Σ‖Δ‖²)``, and ``sync_delta_zeroed``: the fraction of
+    the entries with ``Δ ≠ 0`` whose ``d`` is 0 (updates rounded away entirely). NaN where undefined (``Δ = 0``
+    everywhere, e.g. peft's initial ``B = 0``).
+
+    Meant for a target dtype below fp32 (bf16/fp16 engines), though it measures whatever dtype is yielded (with
+    fp32 it only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor reduced in
+    fp32 by ``torch.dot``, accumulated in float64) so that the merge never waits on the device; :meth:`metrics` reads them (one
+    sync). Under FSDP2 every rank merges the unsharded (full) layer, so every rank accumulates the same sums and
+    no reduction is needed. Accumulates across calls until :meth:`reset`.
+    """
+
+    FIELDS = ("dot", "delta_sq", "err_sq", "nonzero", "zeroed")  # Σ⟨d,Δ⟩, Σ‖Δ‖², Σ‖d−Δ‖², #(Δ≠0), #(Δ≠0, d=0)
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # float64 [len(FIELDS)], on the device of the first merged tensor
+        self.entries = 0  # entries of the merged tensors measured
+        self.tensors = 0  # merged tensors measured
+
+    def reset(self) -> None:
+        self.__init__()
+
+    @torch.no_grad()
+    def add(self, base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> None:
+        """Account one merged tensor: ``base`` = cast(W) (the weight without the update, in the yielded dtype),
+        ``delta`` = Δ, ``merged`` = cast(W + Δ) (what is yielded)."""
+        delta = delta.detach().reshape(-1).float()
+        moved = merged.detach().reshape(-1).to(torch.float32, copy=True)  # one fresh fp32 buffer: d, then d − Δ
+        moved.sub_(base.detach().reshape(-1))  # in fp32 (a bf16 base is upcast exactly)
+        dot, delta_sq = torch.dot(moved, delta), torch.dot(delta, delta)
+        # Δ = 0 leaves an entry as it was (cast(W + 0) = cast(W)), so {d ≠ 0} ⊂ {Δ ≠ 0} and the entries that
+        # Δ ≠ 0 leaves unmoved number count(Δ ≠ 0) − count(d ≠ 0)
+        nonzero = torch.count_nonzero(delta)
+        counts = torch.stack([nonzero, nonzero - torch.count_nonzero(moved)])
+        err = moved.sub_(delta)
+        sums = torch.stack([dot, delta_sq, torch.dot(err, err)])
+        row = torch.cat([sums.to(torch.float64), counts.to(torch.float64)])
+        if self.sums is None:
+            self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=row.device)
+        self.sums += row.to(self.sums.device)
+        self.entries += delta.numel()
+        self.tensors += 1
+
+    def totals(self) -> dict[str, float]:
+        """The raw float64 sums (``FIELDS``; zeros before any merged tensor), with ``entries`` and ``tensors``."""
+        values = [0.0] * len(self.FIELDS) if self.sums is None else self.sums.tolist()
+        return {**dict(zip(self.FIELDS, values)), "entries": self.entries, "tensors": self.tensors}
+
+    def metrics(self) -> dict[str, float]:
+        """``sync_delta_kept``, ``sync_delta_rel_err``, ``sync_delta_zeroed`` (see the class docstring)."""
+        t = self.totals()
+        nan = float("nan")
+        return {
+            "sync_delta_kept": t["dot"] / t["delta_sq"] if t["delta_sq"] > 0 else nan,
+            "sync_delta_rel_err": (t["err_sq"] / t["delta_sq"]) ** 0.5 if t["delta_sq"] > 0 else nan,
+            "sync_delta_zeroed": t["zeroed"] / t["nonzero"] if t["nonzero"] > 0 else nan,
+        }
 
 
 def normalize_peft_param_name(name: str) -> str | None:
@@ -124,6 +200,7 @@ class _MergeState:
     unsharded: bool = False  # the group was all-gathered: hand out copies, never views of FSDP's buffer
     # id(LoRA layer) -> a view of it whose factors are full precision, for layers whose factors the all-gather rounded
     full_precision_loras: dict[int, torch.nn.Module] = field(default_factory=dict)
+    stats: MergePrecisionStats | None = None  # opt-in precision telemetry of every merged tensor
 
 
 def _factor_params(lora: LoraLayer, adapter: str) -> Iterator[tuple[torch.nn.Module, str]]:
@@ -232,10 +309,35 @@ def _cast(tensor: torch.Tensor, state: _MergeState) -> torch.Tensor:
     return tensor if state.dtype is None else tensor.to(state.dtype)
 
 
+def _delta_fp32(lora: torch.nn.Module, adapter: str, delta: torch.Tensor) -> torch.Tensor:
+    """Δ in fp32, for the telemetry: peft's ``delta`` if it is fp32, else peft's delta recomputed from the factors
+    upcast to fp32 (peft computes a bf16 factors' product in fp32, then rounds it to bf16; LoRA on parameters
+    also rounds it to the parameter's dtype). ``lora``: the LoRA layer or its full-precision view."""
+    if delta.dtype == torch.float32:
+        return delta
+    view = copy.copy(lora)
+    for container_name in _LORA_FACTORS:
+        container = getattr(lora, container_name, None)
+        if container is None or adapter not in container:
+            continue
+        entry = container[adapter]  # a tensor (embedding LoRA), or an nn.Linear / its stand-in with .weight
+        factor = entry.float() if isinstance(entry, torch.Tensor) else SimpleNamespace(weight=entry.weight.float())
+        view.__dict__[container_name] = {adapter: factor}
+    if isinstance(lora, ParamWrapper):  # its get_delta_weight casts to get_param()'s dtype: make that fp32
+        probe = torch.empty(0, device=delta.device)
+        view.__dict__["get_param"] = lambda: probe
+    return view.get_delta_weight(adapter).float()
+
+
 def _merged(param: torch.Tensor, lora: LoraLayer, state: _MergeState) -> torch.Tensor:
-    """``param + delta`` out of place, with peft's own delta (its dtype rules), added as peft's merge adds it."""
+    """``param + delta`` out of place, with peft's own delta (its dtype rules), added as peft's merge adds it, then
+    cast to ``state.dtype``; accounted in ``state.stats`` if given."""
     lora = state.full_precision_loras.get(id(lora), lora)
-    return (param + lora.get_delta_weight(state.adapter)).to(param.dtype)
+    delta = lora.get_delta_weight(state.adapter)
+    merged = _cast((param + delta).to(param.dtype), state)
+    if state.stats is not None:
+        state.stats.add(_cast(param, state), _delta_fp32(lora, state.adapter, delta), merged)
+    return merged
 
 
 def _lora_layer_tensors(module: LoraLayer, prefix: str, state: _MergeState) -> Iterator[tuple[str, torch.Tensor]]:
@@ -244,11 +346,14 @@ def _lora_layer_tensors(module: LoraLayer, prefix: str, state: _MergeState) -> I
     if state.adapter not in module.lora_A and state.adapter not in getattr(module, "lora_embedding_A", {}):
         yield from _module_tensors(base_layer, prefix, state)
         return
-    yield f"{prefix}.weight", _cast(_merged(base_layer.weight, module, state), state)
+    yield f"{prefix}.weight", _merged(base_layer.weight, module, state)
     if module.lora_bias.get(state.adapter, False):
         lora_b = state.full_precision_loras.get(id(module), module).lora_B[state.adapter]
-        bias = base_layer.bias + lora_b.bias * module.scaling[state.adapter]
-        yield f"{prefix}.bias", bias.to(base_layer.bias.dtype if state.dtype is None else state.dtype)
+        bias_delta = lora_b.bias * module.scaling[state.adapter]
+        bias = (base_layer.bias + bias_delta).to(base_layer.bias.dtype if state.dtype is None else state.dtype)
+        if state.stats is not None:
+            state.stats.add(base_layer.bias.to(bias.dtype), bias_delta, bias)
+        yield f"{prefix}.bias", bias
     elif getattr(base_layer, "bias", None) is not None:
         yield f"{prefix}.bias", _owned(base_layer.bias, state)
 
@@ -265,7 +370,7 @@ def _parameter_lora_tensors(
     module = wrapper
     while isinstance(module, ParamWrapper):
         if state.adapter in module.lora_A:
-            merged[module.parameter_name] = _cast(_merged(module.get_param(), module, state), state)
+            merged[module.parameter_name] = _merged(module.get_param(), module, state)
         module = module.base_layer
     yield from _module_tensors(module, prefix, state, merged=merged)
 
@@ -338,7 +443,9 @@ def _in_checkpoint_format(
 
 
 @torch.no_grad()
-def merged_lora_params(model: PeftModel, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_lora_params(
+    model: PeftModel, dtype: torch.dtype | None = None, precision_stats: MergePrecisionStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)``: the base model's full weights with the active LoRA adapter merged in.
 
     Args:
@@ -348,6 +455,9 @@ def merged_lora_params(model: PeftModel, dtype: torch.dtype | None = None) -> It
             unsharded together with the root), with or without a ``MixedPrecisionPolicy``.
         dtype: cast every yielded tensor to this dtype (e.g. the rollout engine's); default: keep each
             tensor's own dtype.
+        precision_stats: a :class:`MergePrecisionStats` to accumulate, over the merged tensors, how much of the
+            LoRA update survives the cast (pass one when ``dtype`` is below fp32, then read ``.metrics()`` after
+            the iteration). None (default): nothing is measured, and the yielded tensors are the same either way.
 
     Order: decoder layer 0, 1, ..., then the tensors outside the decoder layers (embeddings, final
     norm, lm_head; a tied lm_head is yielded once, under the embedding's name). Names and layouts are the
@@ -371,7 +481,7 @@ def merged_lora_params(model: PeftModel, dtype: torch.dtype | None = None) -> It
     base = model.get_base_model()
     layers = decoder_layers(model)
     converted = _converted_names(model)
-    state = _MergeState(adapter=adapter, dtype=dtype, seen=set())
+    state = _MergeState(adapter=adapter, dtype=dtype, seen=set(), stats=precision_stats)
     for i, layer in enumerate(layers):
         with _gathered(list(layer.modules()), state):
             yield from _in_checkpoint_format(_module_tensors(layer, f"model.layers.{i}", state), base, converted)

@@ -1,14 +1,17 @@
-"""merged_lora_params against peft's merge_and_unload() on an unsharded copy (plain and 2-process FSDP2)."""
+"""merged_lora_params against peft's merge_and_unload() on an unsharded copy (plain and 2-process FSDP2), and its
+merge-precision telemetry (MergePrecisionStats)."""
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from merge import UnsupportedAdapterError, merged_lora_params, normalize_peft_param_name
+from merge import MergePrecisionStats, UnsupportedAdapterError, merged_lora_params, normalize_peft_param_name
 from qwen3_lora import tiny_lora, tiny_qwen3
+from qwen3_moe_lora import tiny_moe_lora
 from torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,3 +116,105 @@ def test_unsupported_adapters_raise_clearly():
 def test_fsdp2_two_processes():
     """torchrun, 2 processes on gloo: see tests/fsdp2_merge_worker.py for what each rank asserts."""
     torchrun("fsdp2_merge_worker.py", ok_marker="FSDP2 MERGE OK", MALLOC_MMAP_THRESHOLD_="65536")
+
+
+def merged_with_stats(model, dtype=torch.bfloat16) -> tuple[dict[str, torch.Tensor], MergePrecisionStats]:
+    stats = MergePrecisionStats()
+    return dict(merged_lora_params(model, dtype=dtype, precision_stats=stats)), stats
+
+
+@pytest.mark.parametrize("model_dtype, adapter_autocast", [
+    (torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])  # bf16 factors: Δ recomputed in fp32
+def test_precision_stats_leave_the_output_alone_and_match_a_direct_computation(model_dtype, adapter_autocast):
+    model = tiny_lora(dtype=model_dtype, autocast_adapter_dtype=adapter_autocast)
+    with_stats, stats = merged_with_stats(model)
+    without = dict(merged_lora_params(model, dtype=torch.bfloat16))
+    assert with_stats.keys() == without.keys() and all(torch.equal(with_stats[n], without[n]) for n in without)
+    # the same figures, computed directly from every LoRA layer of the model
+    dot = delta_sq = err_sq = nonzero = zeroed = entries = 0.0
+    for module in model.modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            weight = module.get_base_layer().weight
+            a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+            delta = b @ a * module.scaling["default"]  # Δ in fp32; the merge adds peft's (bf16 from bf16 factors)
+            merged = (weight + module.get_delta_weight("default")).to(weight.dtype).to(torch.bfloat16)
+            moved = merged.float() - weight.bfloat16().float()
+            dot += (moved * delta).double().sum().item()
+            delta_sq += (delta * delta).double().sum().item()
+            err_sq += ((moved - delta) ** 2).double().sum().item()
+            nonzero += (delta != 0).sum().item()
+            zeroed += ((delta != 0) & (moved == 0)).sum().item()
+            entries += delta.numel()
+    got = stats.metrics()
+    assert stats.entries == entries and stats.totals()["nonzero"] == nonzero and stats.totals()["zeroed"] == zeroed
+    assert got["sync_delta_kept"] == pytest.approx(dot / delta_sq, rel=1e-6)
+    assert got["sync_delta_rel_err"] == pytest.approx(math.sqrt(err_sq / delta_sq), rel=1e-5)
+    assert got["sync_delta_zeroed"] == zeroed / nonzero
+    assert 0.99 < got["sync_delta_kept"] < 1 and 0 < got["sync_delta_rel_err"] < 0.01
+
+
+def grid_case(model_dtype, delta: float, adapter_autocast: bool = True):
+    """q_proj of every layer: W on bf16 grid points in ±[1 + 2^-7, 2 - 2^-7] (one ulp: 2^-7), and a rank-1 LoRA with
+    scaling · B @ A = ``delta`` in every entry, exactly."""
+    model = tiny_lora(dtype=model_dtype, targets=["q_proj"], autocast_adapter_dtype=adapter_autocast)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                weight = module.get_base_layer().weight
+                steps = torch.randint(1, 127, weight.shape, generator=generator)
+                signs = torch.randint(0, 2, weight.shape, generator=generator) * 2 - 1
+                weight.copy_(signs * (1 + steps * 2.0**-7))
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                a.zero_(), b.zero_()
+                a[0] = 1.0
+                b[:, 0] = delta / module.scaling["default"]  # scaling: a power of two (alpha = 2 * rank)
+    return model
+
+
+@pytest.mark.parametrize("model_dtype, adapter_autocast", [
+    (torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_precision_stats_constructed_cases(model_dtype, adapter_autocast):
+    # |Δ| = 1/4 ulp of W everywhere: every entry rounds back to W, nothing of the update survives
+    _, quarter = merged_with_stats(grid_case(model_dtype, 2.0**-9, adapter_autocast))
+    assert quarter.metrics() == {"sync_delta_kept": 0.0, "sync_delta_rel_err": 1.0, "sync_delta_zeroed": 1.0}
+    # |Δ| = one ulp of W everywhere: every entry moves by exactly Δ
+    _, one_ulp = merged_with_stats(grid_case(model_dtype, 2.0**-7, adapter_autocast))
+    assert one_ulp.metrics() == {"sync_delta_kept": 1.0, "sync_delta_rel_err": 0.0, "sync_delta_zeroed": 0.0}
+    assert one_ulp.tensors == 2 and one_ulp.entries == 2 * 64 * 64  # q_proj of both layers, nothing else
+
+
+def test_precision_stats_undefined_without_an_update_and_accumulate_until_reset():
+    model = tiny_lora(targets=["q_proj"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.zero_()  # peft's initial state: Δ = 0
+    _, stats = merged_with_stats(model)
+    assert all(math.isnan(v) for v in stats.metrics().values()) and stats.entries == 2 * 64 * 64
+    _, once = merged_with_stats(tiny_lora())
+    twice = MergePrecisionStats()
+    for _ in range(2):
+        dict(merged_lora_params(tiny_lora(), dtype=torch.bfloat16, precision_stats=twice))
+    assert twice.entries == 2 * once.entries and twice.metrics() == pytest.approx(once.metrics())
+    twice.reset()
+    assert twice.entries == 0 and math.isnan(twice.metrics()["sync_delta_kept"])
+
+
+@pytest.mark.parametrize("model_dtype, adapter_autocast", [(torch.float32, True), (torch.bfloat16, False)])
+def test_precision_stats_cover_moe_experts(model_dtype, adapter_autocast):
+    """LoRA on parameters (fused experts): the merged expert tensors are measured too, outputs unchanged."""
+    model = tiny_moe_lora(dtype=model_dtype, targets="experts", autocast_adapter_dtype=adapter_autocast)
+    with_stats, stats = merged_with_stats(model)
+    without = dict(merged_lora_params(model, dtype=torch.bfloat16))
+    assert all(torch.equal(with_stats[n], without[n]) for n in without)
+    experts = [m.mlp.experts for m in model.get_base_model().model.layers]
+    fused = sum(m.get_base_layer().gate_up_proj.numel() + m.get_base_layer().down_proj.numel() for m in experts)
+    assert stats.entries == fused and stats.tensors == 4
+    got = stats.metrics()
+    assert 0.99 < got["sync_delta_kept"] < 1 and 0 < got["sync_delta_rel_err"] < 0.01
+
+
+def test_precision_stats_fsdp2_two_processes():
+    """torchrun, 2 processes on gloo: see tests/fsdp2_precision_worker.py for what each rank asserts."""
+    torchrun("fsdp2_precision_worker.py", ok_marker="FSDP2 PRECISION OK")
