@@ -91,6 +91,8 @@ class VLLMSettings:
     # stop when the mean |vLLM - trainer| old log-prob exceeds this (a broken sync); null: the model.dtype's default
     max_logprob_diff: float | None = None
     verify_sync: bool = False  # hash the trainer's weights around every sync (metric sync_changed_trainer)
+    # merge=true below fp32: how much of the LoRA update survives the cast of the merged weights (sync_delta_* metrics)
+    sync_precision_stats: bool = True
     sync: bool = True  # false only to prove that a skipped sync is detected
 
 

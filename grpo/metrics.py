@@ -36,7 +36,8 @@ def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, updat
                  logprob_diff_max=diff.max().item() if diff.numel() else 0.0, **phases, **update_stats)
     kinds = {"sums": {}, "mins": {}, "maxs": {}}
     for name, value in local.items():
-        op = "max" if name.endswith(("_s", "_max")) else reduce_op(name)  # phase times: the slowest rank's
+        # phase times: the slowest rank's; the merge's precision figures are the same on every rank
+        op = "max" if name.endswith(("_s", "_max")) or name.startswith("sync_delta_") else reduce_op(name)
         kinds[op + "s"][name] = value
     kinds["maxs"]["peak_mem_gb"] = peak_mem_gb(run.device)
     total = reduce_across_ranks(**kinds)
@@ -77,6 +78,7 @@ def step_metrics(run: Run, rollout_step: int, total: dict) -> dict:
     if "vllm_ratio_sum" in total:
         metrics.update(is_ratio_mean=total["vllm_ratio_sum"] / max(1.0, total["vllm_ratio_count"]),
                        is_ratio_min=total["vllm_ratio_min"], is_ratio_max=total["vllm_ratio_max"])
+    metrics.update({k: v for k, v in total.items() if k.startswith("sync_delta_")})
     if "sync_changed_trainer" in total:
         metrics["sync_changed_trainer"] = int(total["sync_changed_trainer"])
     return metrics

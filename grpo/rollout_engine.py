@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.config import VLLM_LORA_RANKS, ConfigError
-from merge import decoder_layers, merged_lora_params
+from merge import MergePrecisionStats, decoder_layers, merged_lora_params
 from merge.vllm_compat import in_process_model, reload_vllm_weights
 
 
@@ -195,7 +196,8 @@ class RolloutEngine:
     (level 1, kept in host memory). Generating on discarded weights that no push has replaced is refused.
     """
 
-    def __init__(self, model: str, *, merge: bool = True, sleep_level: int | None = None, **kwargs):
+    def __init__(self, model: str, *, merge: bool = True, sleep_level: int | None = None,
+                 precision_stats: bool = False, **kwargs):
         from vllm import LLM
 
         kwargs = engine_kwargs(model, **kwargs)
@@ -209,6 +211,8 @@ class RolloutEngine:
         self.weights_discarded = False  # a level-2 sleep freed the weights and no push has replaced them yet
         self.in_phase = False
         self.lora_request = None  # merge=False: the adapter the engine serves
+        # merged pushes below fp32 measure how much of the LoRA update survives the cast (MergePrecisionStats)
+        self.precision_stats = precision_stats and self.dtype != torch.float32
         self.weightless_classes = set(self.llm.collective_rpc(_classes_without_own_weights)[0])
         self.sleep()
 
@@ -218,7 +222,7 @@ class RolloutEngine:
         # vllm.sync=false pushes nothing, so the weights the engine starts with must survive its sleeps (level 1)
         sleep_level = 2 if cfg.lora.merge and cfg.vllm.sync else 1
         return cls(cfg.model.name_or_path, merge=cfg.lora.merge, sleep_level=sleep_level,
-                   **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type))
+                   precision_stats=cfg.vllm.sync_precision_stats, **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -267,9 +271,15 @@ class RolloutEngine:
                 f"layers that received no tensor {empty}; layers that received only part of theirs {partial}. "
                 "The pushed names must be the model's checkpoint names (as save_pretrained writes them)")
 
-    def sync_merged(self, model) -> None:
-        """Push the peft policy with its LoRA merged (`merged_lora_params`; a collective under FSDP2)."""
-        self.push_weights(merged_lora_params(model, dtype=self.dtype))
+    def sync_merged(self, model) -> dict[str, float]:
+        """Push the peft policy with its LoRA merged (`merged_lora_params`; a collective under FSDP2).
+
+        Returns the merge's precision figures (``sync_delta_kept``, ``_rel_err``, ``_zeroed``) when the engine's
+        dtype is below fp32 and they are asked for; none while the update is zero everywhere (LoRA B = 0).
+        """
+        stats = MergePrecisionStats() if self.precision_stats else None
+        self.push_weights(merged_lora_params(model, dtype=self.dtype, precision_stats=stats))
+        return {k: v for k, v in stats.metrics().items() if not math.isnan(v)} if stats else {}
 
     def serve_adapter(self, adapter_dir, version: int) -> None:
         """Serve the adapter saved in ``adapter_dir`` from now on; a new ``version`` makes vLLM load it anew."""
@@ -278,17 +288,18 @@ class RolloutEngine:
         self.wake_up("weights")  # the base weights, offloaded to host memory by a level-1 sleep
         self.lora_request = LoRARequest(f"policy-{version}", version, str(adapter_dir))
 
-    def sync_policy(self, model, adapter_dir, version: int, rank: int) -> None:
+    def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]:
         """Make the engine serve the policy's current weights, in its merge mode (a collective under FSDP2).
 
-        merge=True: push the merged weights. merge=False: save the adapter into ``adapter_dir`` (rank 0 writes;
-        the folder must be shared by all ranks) and serve it as LoRA ``version``.
+        merge=True: push the merged weights (returns `sync_merged`'s precision figures). merge=False: save the
+        adapter into ``adapter_dir`` (rank 0 writes; the folder must be shared by all ranks) and serve it as LoRA
+        ``version``.
         """
         if self.merge:
-            self.sync_merged(model)
-        else:
-            save_adapter(model, adapter_dir, rank)
-            self.serve_adapter(adapter_dir, version)
+            return self.sync_merged(model)
+        save_adapter(model, adapter_dir, rank)
+        self.serve_adapter(adapter_dir, version)
+        return {}
 
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
         """Sample completions for token-id prompts; one `Sample` per completion, prompt by prompt."""

@@ -101,9 +101,10 @@ def sync_weights(run: Run, rollout_step: int) -> dict:
     """1. Make the engine serve the current policy, merged or as an adapter (the engine's merge mode)."""
     t0 = time.perf_counter()
     digest_before = params_digest(run.model) if run.cfg.vllm.verify_sync else None
+    precision = {}
     if run.cfg.vllm.sync:  # false (debugging only): vLLM keeps serving stale weights, which the guard must catch
-        run.engine.sync_policy(run.model, run.run_dir / "_rollout_adapter", version=rollout_step, rank=run.rank)
-    metrics = dict(sync_s=time.perf_counter() - t0)
+        precision = run.engine.sync_policy(run.model, run.run_dir / "_rollout_adapter", rollout_step, run.rank)
+    metrics = dict(sync_s=time.perf_counter() - t0, **precision)
     if digest_before is not None:
         metrics["sync_changed_trainer"] = float(digest_before != params_digest(run.model))
     return metrics
