@@ -7,9 +7,15 @@ kernel is the masked one. ``packed_sdpa`` splits the row where ``position_ids`` 
 with ``is_causal=True`` -- what ``flash_attention_2``'s varlen kernel does on GPUs that have it. Anything else
 (a padded batch, a KV-cache step, sliding-window layers) goes to ``sdpa`` unchanged, with the mask transformers
 built for it. Importing this module registers the name with transformers.
+
+The sample bounds are read from ``position_ids`` once per forward (one device -> host copy), not once per decoder
+layer: every layer of a forward gets the same ``position_ids`` tensor, and :func:`packed_sample_bounds` remembers
+its answer for that tensor (see there).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -19,16 +25,41 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 PACKED_SDPA = "packed_sdpa"
 
 
+def _bounds_from_positions(positions: list[int]) -> list[int] | None:
+    """:func:`packed_sample_bounds` on a host copy of the row (pure Python: no device work, no further sync)."""
+    length = len(positions)
+    starts = [k for k in range(1, length) if positions[k] != positions[k - 1] + 1]
+    # a sample starts where positions do not count up by 1 ... and every sample at 0: padded rows (generate gives
+    # padding the position 1) are not packed rows
+    if not starts or positions[0] != 0 or any(positions[k] for k in starts):
+        return None
+    return [0, *starts, length]
+
+
+# (weak reference to a position_ids tensor, its _version, its bounds): the last few forwards' rows. Every decoder
+# layer of one forward gets the same position_ids object, so only the first layer reads it (one device -> host
+# copy per forward, instead of one per layer); a checkpointed layer's recompute in the backward finds it too.
+_CACHE: list[tuple[weakref.ref, int, list[int] | None]] = []
+_CACHE_SIZE = 4
+
+
 def packed_sample_bounds(position_ids: torch.Tensor | None, length: int) -> list[int] | None:
-    """``[0, start_1, ..., T]`` for a packed ``[1, T]`` row of two or more samples; None for anything else."""
+    """``[0, start_1, ..., T]`` for a packed ``[1, T]`` row of two or more samples; None for anything else.
+
+    One host read per ``position_ids`` tensor (``.tolist()`` of the row), remembered for that tensor object while
+    it lives and is not modified in place: the decoder layers of one forward share one read.
+    """
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape != (1, length) or length < 2:
         return None
-    row = position_ids[0]
-    starts = (torch.diff(row) != 1).nonzero().flatten() + 1  # a sample starts where positions do not count up by 1
-    # ... and every sample at 0: padded rows (generate gives padding the position 1) are not packed rows
-    if starts.numel() == 0 or row[0] != 0 or row[starts].any():
-        return None
-    return [0, *starts.tolist(), length]
+    if position_ids.is_inference():  # no version counter to tell an in-place change: read it every time
+        return _bounds_from_positions(position_ids[0].tolist())
+    for ref, version, bounds in _CACHE:
+        if ref() is position_ids and version == position_ids._version:
+            return bounds
+    bounds = _bounds_from_positions(position_ids[0].tolist())  # the one device -> host read
+    _CACHE[:] = [entry for entry in _CACHE if entry[0]() is not None][-(_CACHE_SIZE - 1):]
+    _CACHE.append((weakref.ref(position_ids), position_ids._version, bounds))
+    return bounds
 
 
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

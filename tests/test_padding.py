@@ -81,10 +81,10 @@ def naive_no_padding_2_padding(values, attention_mask, response_mask):
     return out
 
 
-def tiny_qwen3(attn="sdpa", seed=0):
+def tiny_qwen3(attn="sdpa", seed=0, layers=2):
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation=attn,
         dtype=torch.float32,
     )
@@ -624,3 +624,255 @@ def test_gradients_flow_and_match_the_per_sequence_forward():
     per_sequence_reference(model, ids, mask, response_mask, 0.9).sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. the LM head only at the positions read, in chunks (issue #21, item 1)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def full_logits_log_probs(model, ids, attention_mask, response_mask, temperature=1.0, legacy_slice=False,
+                          return_entropy=False):
+    """packed_log_probs as it was before issue #21: [T, V] logits at every packed position, then the mapping."""
+    packed = unpad(ids, attention_mask)
+    logits = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
+                   use_cache=False).logits[0]
+    if temperature != 1.0:
+        logits = logits / temperature
+    values = selective_log_softmax(logits, torch.roll(packed.input_ids, shifts=-1))
+    to_response = legacy_slice_response if legacy_slice else no_padding_2_padding
+    log_probs = to_response(values, attention_mask, response_mask)
+    if not return_entropy:
+        return log_probs
+    return log_probs, to_response(token_entropy(logits), attention_mask, response_mask)
+
+
+def lora_model(kind: str, dtype=torch.float32):
+    from qwen3_lora import tiny_lora
+    from qwen3_moe_lora import tiny_moe_lora
+
+    if kind == "dense":  # LoRA on every linear layer of the decoder, tied lm_head
+        return tiny_lora(dtype=dtype)
+    if kind == "dense, LoRA on an untied lm_head":
+        return tiny_lora(dtype=dtype, targets=["q_proj", "v_proj", "lm_head"], tie=False)
+    return tiny_moe_lora(dtype=dtype)  # LoRA on attention and the fused experts
+
+
+def loss_and_grads(model, log_probs_fn, *args, **kwargs):
+    """(log-probs, entropies or None, LoRA gradients) of the recipe-like loss -mean(log-probs of response tokens)."""
+    out = log_probs_fn(model, *args, **kwargs)
+    log_probs, entropies = out if isinstance(out, tuple) else (out, None)
+    response_mask = args[2]
+    (-(log_probs * response_mask).sum() / response_mask.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return log_probs.detach(), entropies, grads
+
+
+LAYOUTS = {  # name: (prompt lengths, response lengths, P, R)
+    "ragged (left- and right-padded)": (MODEL_PROMPTS, MODEL_RESPONSES, None, None),
+    "no padding": ([4, 4, 4], [5, 5, 5], None, None),
+    "extra padding columns": ([2, 6, 3], [3, 1, 4], 8, 6),
+}
+
+
+@pytest.mark.parametrize("legacy_slice", [False, True])
+@pytest.mark.parametrize("kind, layout_name", [
+    *(("dense", name) for name in LAYOUTS),
+    ("dense, LoRA on an untied lm_head", "ragged (left- and right-padded)"),
+    ("moe", "ragged (left- and right-padded)"),
+])
+def test_response_head_equals_the_full_logits_fp32(kind, legacy_slice, layout_name):
+    """Log-probs, entropies and LoRA gradients of the chunked response-only head equal today's full-logits path."""
+    prompts, responses, width_p, width_r = LAYOUTS[layout_name]
+    ids, mask, response_mask = layout(prompts, responses, width_p, width_r, seed=7)
+    model = lora_model(kind)
+    args = (ids, mask, response_mask, 0.7, legacy_slice, True)
+    want, want_entropy, want_grads = loss_and_grads(model, full_logits_log_probs, *args)
+    for chunk_size in (3, 1024):
+        got, entropy, grads = loss_and_grads(model, packed_log_probs, *args, chunk_size=chunk_size)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # |log-prob| ~ 5: 1-2 fp32 ulps
+        torch.testing.assert_close(entropy, want_entropy, atol=1e-6, rtol=1e-6)
+        assert not got[~response_mask.bool()].any() and not entropy[~response_mask.bool()].any()
+        assert grads.keys() == want_grads.keys() and all("lora_" in n for n in grads) and grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name], atol=1e-6, rtol=0, msg=name)
+        assert any(g.abs().max() > 0 for g in grads.values()) or not want.any()  # legacy may read only padding
+    if legacy_slice and layout_name != "no padding":  # the legacy rule reads other rows: really another mapping
+        assert (full_logits_log_probs(model, *args[:4]) - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind, autocast", [("dense", False), ("dense", True), ("moe", False)])
+def test_response_head_equals_the_full_logits_bf16(kind, autocast):
+    """bf16 base, fp32 LoRA (peft's default), also under the single-process recipe's bf16 autocast (run.autocast):
+    the same values as the full-logits path (bitwise on this CPU)."""
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=8)
+    model = lora_model(kind, torch.bfloat16)
+    context = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
+    with torch.no_grad(), context():
+        want = full_logits_log_probs(model, ids, mask, response_mask, 0.7, False, True)
+        got = packed_log_probs(model, ids, mask, response_mask, 0.7, False, True, chunk_size=4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    with context():
+        _, _, want_grads = loss_and_grads(model, full_logits_log_probs, ids, mask, response_mask, 0.7)
+        _, _, grads = loss_and_grads(model, packed_log_probs, ids, mask, response_mask, 0.7, chunk_size=4)
+    assert grads.keys() == want_grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=1e-3, msg=name)
+
+
+def spy_on_lm_head(model):
+    """Records the shape of every output of the model's real LM head (forward and the backward's recompute)."""
+    shapes = []
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    return shapes
+
+
+def test_the_lm_head_runs_on_response_positions_only_in_chunks():
+    """No [T, V] logits: the head sees chunks of the N scored positions, in the forward and again in the backward."""
+    model = lora_model("dense")
+    shapes = spy_on_lm_head(model)
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=9)
+    total, scored, vocab = int(mask.sum()), int(response_mask.sum()), model.config.vocab_size
+    assert scored == 16 and total == 34
+    log_probs = packed_log_probs(model, ids, mask, response_mask, chunk_size=5)
+    assert shapes == [(1, 5, vocab), (1, 5, vocab), (1, 5, vocab), (1, 1, vocab)]  # 16 rows in chunks of 5
+    log_probs.sum().backward()  # each chunk's logits recomputed, last chunk first
+    assert sorted(shapes[4:]) == sorted(shapes[:4])
+    shapes.clear()
+    with torch.no_grad():
+        packed_log_probs(model, ids, mask, response_mask)  # default chunk: all 16 at once; no recompute
+        assert shapes == [(1, scored, vocab)]
+        packed_log_probs(model, ids, mask, response_mask, chunk_size=None)  # today's path: every packed position
+        assert shapes[1:] == [(1, total, vocab)]
+        legacy = response_mask.clone()
+        shapes.clear()
+        packed_log_probs(model, ids, mask, legacy, legacy_slice=True)  # the legacy rule: what it reads, no more
+        assert shapes[0][1] == int((legacy_slice_response(torch.ones(total), mask, response_mask) != 0).sum())
+
+
+def test_the_model_is_left_as_it_was():
+    """The LM head is swapped only during the forward: back afterwards, also when the forward raises."""
+    model = lora_model("dense")
+    head, names = model.get_output_embeddings(), [n for n, _ in model.named_parameters()]
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=9)
+    packed_log_probs(model, ids, mask, response_mask).sum().backward()
+    assert model.get_output_embeddings() is head and [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(IndexError):  # a token id beyond the vocabulary: the embedding raises mid-forward
+        packed_log_probs(model, ids + 1000 * mask, mask, response_mask)
+    assert model.get_output_embeddings() is head
+
+
+def test_no_response_token_at_all_gives_zeros_and_a_graph():
+    model = lora_model("dense")
+    ids, mask, response_mask = layout([3, 2], [0, 0], width_r=2, seed=3)
+    log_probs, entropies = packed_log_probs(model, ids, mask, response_mask, return_entropy=True)
+    assert log_probs.shape == entropies.shape == (2, 2) and not log_probs.any() and not entropies.any()
+    log_probs.sum().backward()  # no error: the loss of an all-empty mini-batch still backpropagates (zeros)
+
+
+def test_a_model_that_changes_the_head_output_is_refused():
+    """A logit soft-cap or scale after the head (Gemma-2, Cohere, Granite) would be applied to log-probs: refused."""
+
+    class Scaled(Qwen3ForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = Scaled(tiny_qwen3("sdpa").config).eval()
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=9)
+    with pytest.raises(RuntimeError, match="chunk_size=None"):
+        packed_log_probs(model, ids, mask, response_mask)
+    with pytest.raises(ValueError, match="chunk_size"):
+        packed_log_probs(model, ids, mask, response_mask, chunk_size=0)
+    assert packed_log_probs(model, ids, mask, response_mask, chunk_size=None).shape == response_mask.shape
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 8. packed_sdpa: one host read per forward (issue #21, item 2)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def bounds_read_every_time(position_ids, length):
+    """packed_sample_bounds before issue #21: device tensor ops and several host reads, in every layer."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape != (1, length) or length < 2:
+        return None
+    row = position_ids[0]
+    starts = (torch.diff(row) != 1).nonzero().flatten() + 1
+    if starts.numel() == 0 or row[0] != 0 or row[starts].any():
+        return None
+    return [0, *starts.tolist(), length]
+
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+def count_host_reads_in_attention(monkeypatch):
+    """Counts the Tensor methods that copy to the host (.tolist(), .item(), bool(t), ...) while packed_sdpa's
+    attention function runs (all layers), by wrapping the function transformers looks up for each layer."""
+    from transformers import AttentionInterface
+
+    inside, reads = [False], []
+    for method in HOST_READS:
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            if inside[0]:
+                reads.append(_method)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+
+    def attention(*args, **kwargs):
+        inside[0] = True
+        try:
+            return packed_attention.packed_sdpa_attention(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, packed_attention.PACKED_SDPA, attention)
+    return reads
+
+
+def test_packed_sdpa_reads_the_sample_bounds_once_per_forward(monkeypatch):
+    model = tiny_qwen3("packed_sdpa", layers=4)  # a read per layer would show as 4
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=1)
+    packed = unpad(ids, mask)
+    position_ids = packed.position_ids[None]
+
+    def forward():
+        return model(input_ids=packed.input_ids[None], position_ids=position_ids, use_cache=False).logits
+
+    reads = count_host_reads_in_attention(monkeypatch)
+    with torch.no_grad():
+        with monkeypatch.context() as patch:  # the old per-layer bounds: the reference output
+            patch.setattr(packed_attention, "packed_sample_bounds", bounds_read_every_time)
+            want = forward()
+        assert reads == ["__bool__", "__bool__", "tolist"] * 4, reads  # what the counter saw before: 3 per layer
+        reads.clear()
+        got = forward()
+        assert reads == ["tolist"], reads  # one read in the first of 4 layers, none in the others
+        assert torch.equal(got, want)
+        reads.clear()
+        forward()
+        assert reads == []  # the same position_ids tensor: already read
+        position_ids = packed.position_ids[None].clone()  # a new tensor: read once
+        forward()
+        assert reads == ["tolist"]
+    # an in-place change of the same tensor is seen (one sample instead of five: no longer a packed row)
+    position_ids[0] = torch.arange(position_ids.shape[1])
+    assert packed_attention.packed_sample_bounds(position_ids, position_ids.shape[1]) is None
+    # and through packed_log_probs, gradients included: one read in the forward, none in the backward
+    reads.clear()
+    packed_log_probs(model, ids, mask, response_mask).sum().backward()
+    assert reads == ["tolist"], reads
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=12))
+def test_packed_sample_bounds_equal_the_device_rule(positions):
+    position_ids = torch.tensor([positions])
+    got = packed_attention.packed_sample_bounds(position_ids, len(positions))
+    assert got == bounds_read_every_time(position_ids, len(positions))
