@@ -99,6 +99,9 @@ class VLLMSettings:
 @dataclass
 class PaddingSettings:
     legacy_slice: bool = False  # reproduce the seed's bug (current log-probs sliced [:, -R-1:-1]); plots only
+    # LM-head rows per chunk when computing log-probs (padding.packed_log_probs): only the response positions are
+    # projected, chunk by chunk, recomputed in the backward; null: every position's full-vocabulary logits at once
+    logprob_chunk_size: int | None = 512
 
 
 @dataclass
@@ -277,6 +280,7 @@ RANGES = {
     "vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "vllm.max_num_seqs": (_at_least(1), ">= 1"),
     "vllm.max_num_batched_tokens": (_at_least(1), ">= 1"),
+    "padding.logprob_chunk_size": (_at_least(1), ">= 1 (or null: full logits)"),
     "vllm.max_lora_rank": (lambda v: v in VLLM_LORA_RANKS, f"one of vLLM's {list(VLLM_LORA_RANKS)}"),
     "vllm.max_logprob_diff": (_above(0), "> 0"),
 }

@@ -17,8 +17,10 @@ device. The terms (per device, bytes):
                     a 1 GiB margin for CUDA graphs unless vllm.enforce_eager
   activations       one mini-batch (per_device_train_batch_size x the longest sequence): with gradient
                     checkpointing each layer keeps its input and one layer is recomputed at a time; without,
-                    every layer keeps its intermediates. Plus the logits: compute-dtype logits and their gradient,
-                    and the fp32 log-softmax blocks kept for the backward.
+                    every layer keeps its intermediates. Plus the logits (compute-dtype logits and their gradient,
+                    the fp32 log-softmax): of one chunk of padding.logprob_chunk_size response positions (the
+                    LM head runs on response positions only, chunk by chunk, recomputed in the backward), or of
+                    every packed token when logprob_chunk_size is null.
 
 Phases: sync (shard + LoRA/AdamW + vLLM weights + unsharded layers), rollout (shard + LoRA/AdamW + vLLM
 weights + KV cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + activations, plus vLLM's weights and KV
@@ -63,7 +65,11 @@ def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: b
     per_layer = compute_bytes * tokens * (8 * c.hidden_size + 3 * qkv + 4 * intermediate)
     stored = (compute_bytes * tokens * c.hidden_size * c.num_hidden_layers + per_layer if checkpointing
               else per_layer * c.num_hidden_layers)
-    logits = tokens * c.vocab_size * (2 * compute_bytes + 4)
+    # padding.packed_log_probs projects only the response positions, padding.logprob_chunk_size rows at a time
+    # (each chunk recomputed in the backward); without chunks, every packed token's logits at once
+    chunk = cfg.padding.logprob_chunk_size
+    rows = tokens if chunk is None else min(chunk, cfg.per_device_train_batch_size * cfg.max_completion_length)
+    logits = rows * c.vocab_size * (2 * compute_bytes + 4)
     return stored + logits
 
 

@@ -91,6 +91,11 @@ class Run:
         return rollout_step == self.num_rollout_steps or crossed(
             self.cfg.save_steps, self.global_step(rollout_step - 1), self.global_step(rollout_step))
 
+    @property
+    def logprob_options(self) -> dict:
+        """How `packed_log_probs` scores tokens: vLLM's sampling truncation (top-k/top-p), LM-head chunks."""
+        return dict(top_k=self.cfg.top_k, top_p=self.cfg.top_p, chunk_size=self.cfg.padding.logprob_chunk_size)
+
     def autocast(self):
         """One process has no FSDP mixed precision to cast for it: autocast does (bf16 compute, fp32 LoRA)."""
         enabled = self.world == 1 and self.compute_dtype != torch.float32

@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from padding.sampling import truncated_selective_log_softmax, truncation_active
+
 __all__ = [
     "PackedBatch",
     "unpad",
@@ -194,19 +196,19 @@ class _ResponseHead(torch.nn.Module):
     head's own ``__call__``: peft LoRA on the head, hooks and FSDP unshard hooks included) instead of keeping them.
     """
 
-    def __init__(self, head, targets, temperature: float, chunk_size: int, entropies: list | None):
+    def __init__(self, head, targets, temperature: float, chunk_size: int, entropies: list | None, top_k: int = 0,
+                 top_p: float = 1.0):
         super().__init__()
         object.__setattr__(self, "head", head)  # not registered: the model's parameter names stay as they are
         self.targets, self.temperature, self.chunk_size, self.entropies = targets, temperature, chunk_size, entropies
+        self.top_k, self.top_p = top_k, top_p
         self.output = None
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor):
         logits = self.head(hidden)[0]  # [n, V], the model's (or autocast's) dtype, as the full forward makes them
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
         rows = max(1, logits.shape[0])
-        values = selective_log_softmax(logits, targets, chunk_size=rows)
-        entropy = token_entropy(logits, chunk_size=rows) if self.entropies is not None else None
+        values = sampled_log_probs(logits, targets, self.temperature, self.top_k, self.top_p, chunk_size=rows)
+        entropy = token_entropy(logits / self.temperature, chunk_size=rows) if self.entropies is not None else None
         return values, entropy
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -237,16 +239,28 @@ def _parent_of(model: torch.nn.Module, child: torch.nn.Module) -> tuple[torch.nn
     raise RuntimeError("the model's output embeddings (LM head) are not one of its submodules")
 
 
-def _full_logits_values(model, packed: PackedBatch, temperature: float, return_entropy: bool):
-    """Today's computation: every packed position's ``[T, V]`` logits -> ``values`` ``[T]`` (and entropies)."""
+def sampled_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                      chunk_size: int = 1024) -> torch.Tensor:
+    """Log-probs ``[T]`` of ``targets`` under the distribution vLLM samples from, given raw ``[T, V]`` logits:
+    ``log_softmax(logits / T)``, or, when top-k / top-p truncate, vLLM's renormalised truncated distribution
+    (:mod:`padding.sampling`), whose log-probs vLLM returns as ``processed_logprobs``."""
+    if truncation_active(top_k, top_p, logits.shape[-1]):
+        return truncated_selective_log_softmax(logits, targets, temperature, top_k, top_p, chunk_size=chunk_size)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return selective_log_softmax(logits, targets, chunk_size=chunk_size)
+
+
+def _full_logits_values(model, packed: PackedBatch, temperature: float, return_entropy: bool, top_k: int,
+                        top_p: float):
+    """Every packed position's ``[T, V]`` logits -> ``values`` ``[T]`` (and entropies)."""
     logits = model(
         input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False
     ).logits[0]
-    if temperature != 1.0:
-        logits = logits / temperature
     # values[k] scores packed token k + 1; the last slot (and each sample's last) is never read.
     targets = torch.roll(packed.input_ids, shifts=-1)
-    return selective_log_softmax(logits, targets), token_entropy(logits) if return_entropy else None
+    values = sampled_log_probs(logits, targets, temperature, top_k, top_p)
+    return values, token_entropy(logits / temperature) if return_entropy else None
 
 
 def packed_log_probs(
@@ -259,6 +273,8 @@ def packed_log_probs(
     return_entropy: bool = False,
     *,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Response-token log-probs ``[B, R]`` (fp32, 0 at padding) from one padding-free forward.
 
@@ -299,7 +315,7 @@ def packed_log_probs(
     packed = unpad(input_ids, attention_mask)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if chunk_size is None or head is None:
-        values, entropies = _full_logits_values(model, packed, temperature, return_entropy)
+        values, entropies = _full_logits_values(model, packed, temperature, return_entropy, top_k, top_p)
         log_probs = to_response(values, attention_mask, response_mask)
         return (log_probs, to_response(entropies, attention_mask, response_mask)) if return_entropy else log_probs
 
@@ -307,7 +323,7 @@ def packed_log_probs(
     targets = torch.roll(packed.input_ids, shifts=-1)[positions]  # values[k] scores packed token k + 1
     entropies = [] if return_entropy else None
     parent, name = _parent_of(model, head)
-    response_head = _ResponseHead(head, targets, temperature, chunk_size, entropies)
+    response_head = _ResponseHead(head, targets, temperature, chunk_size, entropies, top_k, top_p)
     setattr(parent, name, response_head)
     try:
         output = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False,

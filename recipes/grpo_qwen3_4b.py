@@ -158,10 +158,10 @@ def old_log_probs(run: Run, batch: dict) -> None:
         width = sub["response_mask"].shape[1]
         args = (sub["input_ids"], sub["attention_mask"], sub["response_mask"], cfg.temperature)
         with run.autocast():
-            old[rows, :width] = packed_log_probs(model, *args)
+            old[rows, :width] = packed_log_probs(model, *args, **run.logprob_options)
             if cfg.beta > 0:
                 with model.disable_adapter():
-                    ref[rows, :width] = packed_log_probs(model, *args)
+                    ref[rows, :width] = packed_log_probs(model, *args, **run.logprob_options)
     batch["old_logprobs"], batch["ref_logprobs"] = old, ref
 
 
@@ -183,11 +183,12 @@ def mini_batch_loss(run: Run, sub: dict, num_items_in_batch: float):
     entropy_mask, args = None, (sub["input_ids"], sub["attention_mask"], sub["response_mask"], cfg.temperature)
     with run.autocast():
         if settings.top_entropy_quantile < 1.0:
-            logps, entropies = packed_log_probs(run.model, *args, cfg.padding.legacy_slice, return_entropy=True)
+            logps, entropies = packed_log_probs(run.model, *args, cfg.padding.legacy_slice, return_entropy=True,
+                                                **run.logprob_options)
             entropy_mask = high_entropy_mask(entropies, sub["response_mask"], settings.top_entropy_quantile,
                                              gather=gather_across_ranks)
         else:
-            logps = packed_log_probs(run.model, *args, legacy_slice=cfg.padding.legacy_slice)
+            logps = packed_log_probs(run.model, *args, legacy_slice=cfg.padding.legacy_slice, **run.logprob_options)
     return grpo_loss(logps, sub["old_logprobs"], sub["advantages"], sub["response_mask"], settings,
                      ref_per_token_logps=sub["ref_logprobs"] if settings.beta != 0.0 else None,
                      importance_sampling_ratio=sub.get("importance_sampling_ratio"), entropy_mask=entropy_mask,

@@ -6,7 +6,8 @@
 Panels: PPO ratio per rollout step (log scale: the legacy padding path blows up), |vLLM - trainer| log-prob,
 rollout tokens/s, mean reward, held-out accuracy (greedy: dots, sampled at the training temperature: crosses;
 from the runs' eval lines), wall time of a whole rollout step and of the weight sync. One line per run, labelled
-from its metrics and config.yaml (merge on/off, legacy padding, TRL's trainer, bf16, MoE). The table (printed,
+from its metrics and config.yaml (merge on/off, legacy padding, TRL's trainer, bf16, MoE). Runs that merged
+below fp32 add a panel: the share of the LoRA update that the cast of the merged weights kept (sync_delta_kept). The table (printed,
 and written beside the PNG as JSON) gives each run's medians and its reward and held-out accuracy at the start
 and the end.
 """
@@ -33,6 +34,8 @@ PANELS = [
     ("step_s", "rollout step wall time (s)", False),
     ("sync_s", "weight sync (s)", True),
 ]
+# drawn when a run has it: merged weights below fp32 (the share of the LoRA update the cast keeps, every sync)
+PRECISION_PANEL = ("sync_delta_kept", "LoRA update kept by the merge's cast", False)
 SUMMARY = ["step_s", "rollout_s", "sync_s", "update_s", "rollout_tokens_per_s"]
 
 
@@ -75,11 +78,13 @@ def split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 def plot(runs: list[Path], out: Path) -> Path:
     plt.rcParams.update({"font.family": "serif", "font.size": 9, "axes.spines.top": False,
                          "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3})
-    fig, axes = plt.subplots(2, 4, figsize=(11.0, 4.8), constrained_layout=True)
+    panels = PANELS + [PRECISION_PANEL] * any(PRECISION_PANEL[0] in row for run in runs for row in read_metrics(run))
+    nrows = -(-(len(panels) + 1) // 4)  # and one cell for the legend
+    fig, axes = plt.subplots(nrows, 4, figsize=(11.0, 2.4 * nrows), constrained_layout=True)
     styles = ["-", "--", ":", "-."]  # identical curves (merge on and off sample the same tokens) stay visible
     for i, run in enumerate(runs):
         rows, evals = split(read_metrics(run))
-        for ax, (key, title, log) in zip(axes.flat, PANELS):
+        for ax, (key, title, log) in zip(axes.flat, panels):
             source = evals if key.startswith("eval_") else rows
             steps = [r["rollout_step"] for r in source]
             values = [r.get(key, float("nan")) for r in source]
@@ -98,7 +103,8 @@ def plot(runs: list[Path], out: Path) -> Path:
     axes.flat[0].set_title("PPO ratio: mean (thick), max (thin)")
     axes.flat[0].axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     axes.flat[4].set_title("held-out acc.: greedy •, sampled ×")
-    axes.flat[-1].axis("off")
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
     axes.flat[-1].legend(*axes.flat[0].get_legend_handles_labels(), loc="center", frameon=False, fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=150)

@@ -29,3 +29,5 @@ rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy resu
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-attn-packed results/tiny-cpu-attn-sdpa --out results/attention.png
 .venv/bin/python -m grpo.memory_plan --config recipes/configs/qwen3_4b_gsm8k.yaml --qwen3-4b-shape --world 1 8 \
     > results/memory_plan_qwen3_4b.txt
+.venv/bin/python -m grpo.memory_plan --config recipes/configs/qwen3_4b_gsm8k_24gb.yaml --qwen3-4b-shape --world 1 \
+    --device-gib 22.35 > results/memory_plan_qwen3_4b_24gb.txt

@@ -106,7 +106,7 @@ BAD_VALUES = {
     "vllm.enforce_eager": "maybe", "vllm.max_num_seqs": "0", "vllm.max_num_batched_tokens": "0",
     "vllm.max_lora_rank": "24",
     "vllm.max_logprob_diff": "0", "vllm.verify_sync": "maybe", "vllm.sync_precision_stats": "maybe", "vllm.sync": "maybe",
-    "padding.legacy_slice": "maybe",
+    "padding.legacy_slice": "maybe", "padding.logprob_chunk_size": "0",
 }
 
 

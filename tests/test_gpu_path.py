@@ -246,10 +246,22 @@ def test_memory_plan_of_the_qwen_config_on_one_and_eight_gpus():
     assert no_checkpointing["terms"]["activations"] > 3 * one["terms"]["activations"]
 
 
+def test_qwen3_4b_fits_one_24gb_gpu_and_its_update_activations_shrank():
+    """Log-probs without full-vocabulary logits: the 80 GB config's update activations fit in 6 GiB by the plan
+    (17.8 GiB with every packed token's logits), and the 24 GB config fits one 24 GB card."""
+    cfg = load_config(QWEN_CONFIG)
+    assert memory_plan(qwen3_4b_config(), cfg, world=1)["terms"]["activations"] <= 6 * GIB
+    full_logits = load_config(QWEN_CONFIG, ["padding.logprob_chunk_size=null"])
+    assert memory_plan(qwen3_4b_config(), full_logits, world=1)["terms"]["activations"] > 17 * GIB
+    small = load_config(ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k_24gb.yaml")
+    assert check_fits(memory_plan(qwen3_4b_config(), small, world=1), 24e9, small) is None
+    assert check_fits(memory_plan(qwen3_4b_config(), cfg, world=1), 24e9, cfg) is not None  # the 80 GB config
+
+
 def test_a_batch_that_cannot_fit_is_refused_with_the_phase_and_what_to_lower():
-    cfg = load_config(QWEN_CONFIG, ["per_device_train_batch_size=256", "num_generations=8"])
+    cfg = load_config(QWEN_CONFIG, ["per_device_train_batch_size=512", "num_generations=8"])
     message = check_fits(memory_plan(qwen3_4b_config(), cfg, world=8), 80 * GIB, cfg)
-    assert message and "in its update phase" in message and "per_device_train_batch_size=256" in message
+    assert message and "in its update phase" in message and "per_device_train_batch_size=512" in message
 
 
 def test_the_4b_shape_is_qwen3_4b():

@@ -29,6 +29,18 @@ def test_plot_renders_a_nontrivial_png(tmp_path):
     assert image[..., :3].std() > 0.05  # not a blank canvas
 
 
+def test_runs_that_merged_below_fp32_get_the_precision_panel(tmp_path):
+    plain = matplotlib.image.imread(plot([write_run(tmp_path / "on", True, False, 1.0)], tmp_path / "plain.png"))
+    bf16 = write_run(tmp_path / "bf16", True, False, 1.0)
+    rows = [json.loads(line) for line in (bf16 / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "reward_mean" in row:
+            row["sync_delta_kept"] = 0.97
+    (bf16 / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with_panel = matplotlib.image.imread(plot([bf16], tmp_path / "bf16.png"))
+    assert with_panel.shape[0] > plain.shape[0]  # a third row of panels
+
+
 def test_missing_metrics_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         plot([tmp_path / "nothing-here"], tmp_path / "x.png")
