@@ -18,7 +18,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from grpo.parallel import check_same_weights, fsdp_settings
-from recipe_runs import CPU_ACCELERATE_CONFIG, ROOT, launch
+from recipe_runs import CPU_ACCELERATE_CONFIG, ROOT, launch, launch_command, launch_env
 
 GPU_CONFIGS = sorted(p for p in (ROOT / "accelerate_configs").glob("*.yaml") if p != CPU_ACCELERATE_CONFIG)
 LAYOUT_KEYS = ("num_machines", "num_processes", "machine_rank", "main_process_ip", "main_process_port",
@@ -93,3 +93,19 @@ def test_the_recipe_under_each_twin_loads_the_real_weights_and_trains_as_the_cpu
     for twin_line, cpu_line in zip(metrics, reference):
         deterministic = {k for k in cpu_line if not TIMINGS.search(k)}
         assert {k: twin_line[k] for k in deterministic} == {k: cpu_line[k] for k in deterministic}
+
+
+def test_a_config_that_leaves_out_fsdp_cpu_ram_efficient_loading_is_refused_by_name(tmp_path):
+    """accelerate then exports it as true, and transformers would load zeros on every process but local rank 0."""
+    data = yaml.safe_load(CPU_ACCELERATE_CONFIG.read_text())
+    del data["fsdp_config"]["fsdp_cpu_ram_efficient_loading"]
+    config = tmp_path / "without_the_key.yaml"
+    config.write_text(yaml.safe_dump(data))
+    proc = subprocess.run(launch_command(tmp_path, "unused", accelerate_config=config), cwd=ROOT, env=launch_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert ours == ["error: accelerate config fsdp_cpu_ram_efficient_loading='true' is not supported (accelerate "
+                    "sets it true when the config does not name it): with it, transformers loads all-zero weights "
+                    "on every process but local rank 0. Set `fsdp_cpu_ram_efficient_loading: false` in the "
+                    "accelerate config's fsdp_config (every process reads the checkpoint)"], proc.stderr[-3000:]

@@ -149,7 +149,7 @@ def test_a_lora_target_that_matches_nothing_is_refused_before_the_model_loads(tm
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: lora.target_modules=['q_proj', 'nope_proj'] names ['nope_proj'], which match nothing in {tiny_model}; "
-        "its decoder layers hold ['down_proj', 'gate_proj', 'input_layernorm', 'k_norm', 'k_proj', 'mlp', "
+        "its decoder layers hold ['act_fn', 'down_proj', 'gate_proj', 'input_layernorm', 'k_norm', 'k_proj', 'mlp', "
         "'o_proj', 'post_attention_layernorm', 'q_norm', 'q_proj', 'self_attn', 'up_proj', 'v_proj']"], proc.stderr
     assert not (tmp_path / "run").exists()  # refused before the run folder, the data and the model
 
