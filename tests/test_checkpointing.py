@@ -164,7 +164,9 @@ def test_resume_from_alias():
 def test_dataset_without_the_reward_columns_is_refused(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "What is 2+2?", "solution": "4"}\n')
-    proc = run_recipe(tmp_path, "model.build_tiny=null", f"model.name_or_path={tmp_path}", f"data.name={data}")
+    tiny_qwen3().config.save_pretrained(tmp_path / "model")  # a model config (its weights are never read)
+    proc = run_recipe(tmp_path, "model.build_tiny=null", f"model.name_or_path={tmp_path / 'model'}",
+                      f"data.name={data}")
     assert proc.returncode != 0
     assert re.search(r"lacks column\(s\) \['answer'\] that reward_funcs .* it has \['question', 'solution'\]",
                      proc.stderr), proc.stderr[-3000:]

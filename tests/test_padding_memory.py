@@ -34,7 +34,7 @@ class LargestTensor(TorchDispatchMode):
 
 
 def wide_vocab_lora(vocab=QWEN3_VOCAB):
-    from bench_common import with_random_lora
+    from grpo.bench_common import with_random_lora
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_no_full_vocabulary_logits_and_a_lower_peak():
     Measured here (2 shared CPU cores): largest tensor 170 MiB ([293, V] fp32 logits) -> 37 MiB ([64, V]); peak
     RSS 679 -> 148 MiB; time 1024 -> 397 ms (2.6x faster: the head and log-softmax skip the 78% prompt rows).
     """
-    from bench_common import rss_peak_during
+    from grpo.bench_common import rss_peak_during
 
     model = wide_vocab_lora()
     prompts = [64, 48, 60, 57]
