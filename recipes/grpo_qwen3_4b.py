@@ -8,9 +8,12 @@ Words: a *rollout step* is one pass of the loop below (one line of metrics.jsonl
 these). Each rollout step makes `steps_per_generation x num_iterations` optimizer steps.
 
 One rollout step, top to bottom (`main`):
-  1. sync     merge=on : stream merged_lora_params(model) (one decoder layer unsharded at a time) into vLLM
+  1. sync     the engine, awake for this generation phase, serves the current policy in its merge mode:
+              merge=on : stream merged_lora_params(model) (one decoder layer unsharded at a time) into vLLM
               merge=off: save the adapter, serve it with a fresh LoRARequest
+              (then, every eval_steps optimizer steps, the held-out evaluation on those weights)
   2. rollout  vLLM samples num_generations completions per prompt, with the sampled tokens' log-probs
+              (of the distribution it samples from: top-k / top-p truncated, as the trainer's log-probs are)
   3. reward   TRL-style reward functions -> group-normalized advantages
   4. old      one no-grad packed forward per mini-batch -> old (and reference) log-probs, via `padding`
   5. update   num_iterations x steps_per_generation mini-batches of the GRPO loss (later ones off-policy)
@@ -19,7 +22,7 @@ One rollout step, top to bottom (`main`):
 
 Faults stop the run with a message instead of training on bad numbers: a NaN/inf reward, loss, ratio or
 gradient norm stops the step before the optimizer update (the last checkpoint stays the last good one), and
-a broken weight sync is caught by the |vLLM - trainer| log-prob check. `resume_from_checkpoint=<dir>|last`
+a broken weight sync is caught by the |vLLM - trainer| log-prob guard (calibrated at the first step). `resume_from_checkpoint=<dir>|last`
 continues at the next rollout step with the same results as an uninterrupted run.
 
 The parts live in the `grpo` package: `grpo.config` (the YAML config), `grpo.run` (start-up and the run's state),
