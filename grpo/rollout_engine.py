@@ -222,7 +222,8 @@ class RolloutEngine:
         # vllm.sync=false pushes nothing, so the weights the engine starts with must survive its sleeps (level 1)
         sleep_level = 2 if cfg.lora.merge and cfg.vllm.sync else 1
         return cls(cfg.model.name_or_path, merge=cfg.lora.merge, sleep_level=sleep_level,
-                   precision_stats=cfg.vllm.sync_precision_stats, **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type))
+                   precision_stats=cfg.vllm.sync_precision_stats,
+                   **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -234,8 +235,9 @@ class RolloutEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
-        """Release the weights and the KV cache (a no-op without sleep mode, or when already asleep)."""
-        if self.sleep_level and not self.asleep:
+        """Release the weights and the KV cache (a no-op without sleep mode, or when already asleep). As vLLM's
+        executor: any sleep while the weights are awake puts every tag to sleep; none while they sleep."""
+        if self.sleep_level and "weights" not in self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = {"weights", "kv_cache"}
             self.weights_discarded = self.sleep_level == 2

@@ -220,6 +220,16 @@ def test_the_recipes_phases_keep_vllms_sleep_contract(monkeypatch, tmp_path, ove
     assert run.engine.sleep_level == (2 if overrides == ["lora.merge=true"] else 1)  # sync=false: keep the weights
 
 
+def test_a_phase_that_only_pushed_still_ends_with_everything_asleep(monkeypatch, tmp_path):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", SleepContractLLM)
+    run = contract_run(tmp_path, [])
+    with run.engine.awake():
+        run.engine.sync_policy(run.model, tmp_path / "adapter", 1, rank=0)  # weights awake, KV cache asleep
+    assert run.engine.llm.sleeping_tags == {"weights", "kv_cache"} and run.engine.llm.paused
+
+
 def test_the_contract_catches_a_generation_with_the_engine_asleep(monkeypatch, tmp_path):
     """What the recipe did before: sleep after each generation. The stand-in (and the engine) refuse the next one."""
     import vllm
