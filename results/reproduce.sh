@@ -31,3 +31,5 @@ rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy resu
     > results/memory_plan_qwen3_4b.txt
 .venv/bin/python -m grpo.memory_plan --config recipes/configs/qwen3_4b_gsm8k_24gb.yaml --qwen3-4b-shape --world 1 \
     --device-gib 22.35 > results/memory_plan_qwen3_4b_24gb.txt
+# the update phase's log-probs: full-vocabulary logits vs the LM head on response rows in chunks (memory, time)
+.venv/bin/python recipes/bench_logprobs.py --out results/bench_logprobs.json
