@@ -38,7 +38,7 @@ from grpo.config import RecipeConfig, load_config
 from grpo.rollout_engine import rollout_max_num_seqs
 
 GIB = 2**30
-_BYTES = {"float32": 4, "bfloat16": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _parameter_counts(model_config, target_modules: list[str], rank: int) -> dict[str, int]:

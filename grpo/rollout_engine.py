@@ -30,6 +30,7 @@ import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.config import VLLM_LORA_RANKS, ConfigError
+from grpo.faults import NonFiniteError
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params
 from merge.vllm_compat import in_process_model, reload_vllm_weights
 
@@ -60,6 +61,22 @@ class EngineStateError(RuntimeError):
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 # Embeddings are padded to a multiple of 64 rows (vLLM's vocab padding), which no checkpoint fills.
 _PADDED_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}
+
+
+def finite_or_stop(weights):
+    """Pass ``(name, tensor)`` pairs through; raise `NonFiniteError` naming the first one that holds inf/NaN.
+
+    Every rank merges the same unsharded layer, so every rank stops at the same tensor. In fp16 a merged weight
+    beyond 65504 becomes inf in the cast; vLLM would otherwise serve it and the rollout would be garbage.
+    """
+    for name, tensor in weights:
+        if not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteError(
+                f"weight sync: the merged {name} ({str(tensor.dtype).removeprefix('torch.')}) holds "
+                f"{int((~torch.isfinite(tensor)).sum())} inf/NaN entries (fp16's range ends at 65504); stopped before "
+                "vLLM could serve it. The trainer's weights are untouched; resume from the last checkpoint, e.g. "
+                "with a lower learning_rate, or train in bfloat16")
+        yield name, tensor
 
 
 class _PushAudit(logging.Filter):
@@ -280,7 +297,7 @@ class RolloutEngine:
         dtype is below fp32 and they are asked for; none while the update is zero everywhere (LoRA B = 0).
         """
         stats = MergePrecisionStats() if self.precision_stats else None
-        self.push_weights(merged_lora_params(model, dtype=self.dtype, precision_stats=stats))
+        self.push_weights(finite_or_stop(merged_lora_params(model, dtype=self.dtype, precision_stats=stats)))
         return {k: v for k, v in stats.metrics().items() if not math.isnan(v)} if stats else {}
 
     def serve_adapter(self, adapter_dir, version: int) -> None:

@@ -26,6 +26,7 @@ from grpo.checkpointing import check_resumable, list_checkpoints, load_checkpoin
 from grpo.config import ConfigError, RecipeConfig, config_to_dict
 from grpo.data import check_reward_columns, held_out_problems, load_problems, load_reward_funcs, tokenize_prompts
 from grpo.faults import LogprobGuard
+from grpo.loss_scaling import DynamicLossScale
 from grpo.loss import LossSettings
 from grpo.memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
 from grpo.parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_same_weights,
@@ -69,6 +70,7 @@ class Run:
     num_rollout_steps: int
     resumed_rollout_step: int  # 0 for a fresh run
     guard: LogprobGuard
+    loss_scale: DynamicLossScale  # fp16 only: dynamic loss scaling (disabled, scale 1, in fp32 and bf16)
     last_checkpoint: Path | None = None
 
     @property
@@ -294,11 +296,14 @@ def setup(cfg: RecipeConfig) -> Run:
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
         load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
         log.info("resumed from %s: continuing at rollout step %d of %d", resume, resumed + 1, num_rollout_steps)
+    loss_scale = DynamicLossScale(enabled=compute_dtype == torch.float16)
+    loss_scale.load_state_dict(resumed_state.get("loss_scale"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Run(cfg=cfg, rank=rank, world=world, device=device, run_dir=run_dir, problems=problems,
                reward_funcs=reward_funcs, pad_id=pad_id, model=model, optimizer=optimizer, scheduler=scheduler,
                engine=engine, eval_problems=eval_problems,
                trackers=Trackers(trackers, cfg.run_name, run_dir / "runs", config_to_dict(cfg), rank), loss_settings=LossSettings.from_config(cfg, num_processes=world),
                compute_dtype=compute_dtype, num_rollout_steps=num_rollout_steps, resumed_rollout_step=resumed,
-               last_checkpoint=resume, guard=LogprobGuard(cfg, resumed_state.get("logprob_diff_baseline")))
+               last_checkpoint=resume, guard=LogprobGuard(cfg, resumed_state.get("logprob_diff_baseline")),
+               loss_scale=loss_scale)
 

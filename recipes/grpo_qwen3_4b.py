@@ -20,10 +20,10 @@ One rollout step, top to bottom (`main`):
   6. log      one JSON line per rollout step in results/<run_name>/metrics.jsonl
   7. save     checkpoint-<global_step>/ every `save_steps` optimizer steps, at the end, and on SIGINT/SIGTERM
 
-Faults stop the run with a message instead of training on bad numbers: a NaN/inf reward, loss, ratio or
-gradient norm stops the step before the optimizer update (the last checkpoint stays the last good one), and
-a broken weight sync is caught by the |vLLM - trainer| log-prob guard (calibrated at the first step). `resume_from_checkpoint=<dir>|last`
-continues at the next rollout step with the same results as an uninterrupted run.
+Faults stop the run with a message instead of training on bad numbers: a NaN/inf reward, loss, ratio, gradient
+norm or fp16 overflow (in a forward, in the merged weights) stops the step before the optimizer update; fp16's loss
+scaling skips a step whose gradients overflowed; the |vLLM - trainer| log-prob guard catches a broken weight sync.
+`resume_from_checkpoint=<dir>|last` continues at the next rollout step with the results of an uninterrupted run.
 
 The parts live in the `grpo` package: `grpo.config` (the YAML config), `grpo.run` (start-up and the run's state),
 `grpo.data` (prompts, rewards, batches), `grpo.loss` (the loss), `grpo.rollout_engine` (vLLM, merged or adapter),
@@ -151,7 +151,7 @@ def mini_batches(run: Run, batch: dict) -> list[slice]:
 
 
 @torch.no_grad()
-def old_log_probs(run: Run, batch: dict) -> None:
+def old_log_probs(run: Run, batch: dict, rollout_step: int) -> None:
     """4. Add `old_logprobs` (and `ref_logprobs`, adapter disabled, if beta > 0) [N, R] to ``batch``."""
     cfg, model = run.cfg, run.model
     old, ref = torch.zeros_like(batch["vllm_logprobs"]), torch.zeros_like(batch["vllm_logprobs"])
@@ -165,6 +165,9 @@ def old_log_probs(run: Run, batch: dict) -> None:
             if cfg.beta > 0:
                 with model.disable_adapter():
                     ref[rows, :width] = packed_log_probs(model, *args, **run.logprob_options)
+    # an fp16 overflow in the forward shows here first (inf/NaN log-probs), before it reaches a ratio
+    stop_if_nonfinite(f"rollout step {rollout_step}, old log-probs forward ({cfg.model.dtype})",
+                      dict(old_logprobs=old, ref_logprobs=ref), run.last_checkpoint)
     batch["old_logprobs"], batch["ref_logprobs"] = old, ref
 
 
@@ -208,22 +211,23 @@ def update(run: Run, batch: dict, rollout_step: int) -> dict:
     chunks = mini_batches(run, batch)
     # dapo/cispo weigh every completion token of the rollout (all ranks) the same, as TRL's num_items_in_batch
     num_items_in_batch = reduce_across_ranks(sums={"tokens": batch["response_mask"].sum().item()})["tokens"]
-    totals = importance_sampling(run, batch)
-    totals = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in totals.items()}
+    totals = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in importance_sampling(run, batch).items()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.train()
     bar = tqdm(total=run.updates_per_rollout, desc=f"update {rollout_step}", disable=run.rank != 0, leave=False)
     for iteration in range(cfg.num_iterations):
         for k, rows in enumerate(chunks):
             loss, stats = mini_batch_loss(run, select(batch, rows), num_items_in_batch)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+            run.loss_scale.scaled(loss).backward()
+            finite = run.loss_scale.unscale_(trainable)  # fp16: an overflowing gradient skips the step
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm) if finite else torch.zeros(())
             stop_if_nonfinite(f"rollout step {rollout_step}, iteration {iteration + 1}, mini-batch {k + 1}",
                               dict(loss=loss, ratio=stats["ratio_sum"], grad_norm=grad_norm), run.last_checkpoint)
-            run.optimizer.step()
-            run.scheduler.step()
+            run.loss_scale.step(run.optimizer, finite)
+            run.scheduler.step()  # a skipped step still counts as an optimizer step (global_step), as in TRL
             run.optimizer.zero_grad(set_to_none=True)
-            stats = {**stats, "loss_sum": loss.detach().double(), "mini_batches": torch.tensor(1.0, dtype=torch.float64)}
+            stats = {**stats, **run.loss_scale.stats(), "loss_sum": loss.detach().double(),
+                     "mini_batches": torch.tensor(1.0, dtype=torch.float64)}
             if iteration == 0 and k == 0:
                 stats.update(onpolicy_ratio_sum=stats["ratio_sum"], onpolicy_ratio_count=stats["ratio_count"],
                              onpolicy_ratio_min=stats["ratio_min"], onpolicy_ratio_max=stats["ratio_max"])
@@ -278,7 +282,8 @@ def save(run: Run, rollout_step: int) -> Path:
         return run.last_checkpoint
     state = dict(rollout_step=rollout_step, global_step=global_step,
                  data_position=rollout_step * run.world * run.cfg.prompts_per_rank, world_size=run.world,
-                 seed=run.cfg.seed, logprob_diff_baseline=run.guard.baseline)
+                 seed=run.cfg.seed, logprob_diff_baseline=run.guard.baseline,
+                 loss_scale=run.loss_scale.state_dict())
     run.last_checkpoint = save_checkpoint(run.run_dir, run.model, run.optimizer, run.scheduler, state,
                                           config_to_dict(run.cfg), run.rank, run.cfg.save_total_limit)
     return run.last_checkpoint
@@ -323,7 +328,7 @@ def main(cfg: RecipeConfig) -> None:
         rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
         t0 = time.perf_counter()
         batch = training_batch(run, samples, advantages)
-        old_log_probs(run, batch)
+        old_log_probs(run, batch, rollout_step)
         update_stats = update(run, batch, rollout_step)
         phases["update_s"] = time.perf_counter() - t0
 

@@ -58,7 +58,8 @@ def label(rows: list[dict], config: dict) -> str:
     dtype = model.get("dtype") or config.get("dtype")
     # the standalone recipe's attention when not its default (TRL's trainer runs padded batches)
     attention = model.get("attn_implementation") or "packed_sdpa"
-    extras = [("legacy padding" if first.get("legacy_slice") else None), ("bf16" if dtype == "bfloat16" else None),
+    extras = [("legacy padding" if first.get("legacy_slice") else None),
+              ({"bfloat16": "bf16", "float16": "fp16"}.get(dtype)),
               ("MoE" if "moe" in str(model.get("build_tiny")) else None),
               (f"{attention} attention" if attention != "packed_sdpa" and first.get("trainer") != "trl" else None)]
     return ", ".join([text, *(e for e in extras if e)])
@@ -75,12 +76,21 @@ def split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if "reward_mean" in r], [r for r in rows if "eval_reward_greedy" in r]
 
 
-def plot(runs: list[Path], out: Path) -> Path:
+def plot(runs: list[Path], out: Path, only: list[str] | None = None) -> Path:
+    """The panels for ``runs`` into ``out``; ``only``: just the panels of these metric names, in PANELS' order."""
     plt.rcParams.update({"font.family": "serif", "font.size": 9, "axes.spines.top": False,
                          "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3})
     panels = PANELS + [PRECISION_PANEL] * any(PRECISION_PANEL[0] in row for run in runs for row in read_metrics(run))
-    nrows = -(-(len(panels) + 1) // 4)  # and one cell for the legend
-    fig, axes = plt.subplots(nrows, 4, figsize=(11.0, 2.4 * nrows), constrained_layout=True)
+    if only:
+        unknown = sorted(set(only) - {key for key, _, _ in PANELS + [PRECISION_PANEL]})
+        if unknown:
+            raise ValueError(f"--panels {unknown}: not a panel; choose from "
+                             f"{[k for k, _, _ in PANELS + [PRECISION_PANEL]]}")
+        panels = [panel for panel in PANELS + [PRECISION_PANEL] if panel[0] in only]
+    ncols = min(4, len(panels) + 1)
+    nrows = -(-(len(panels) + 1) // ncols)  # and one cell for the legend
+    fig, axes = plt.subplots(nrows, ncols, figsize=(2.75 * ncols, 2.4 * nrows), constrained_layout=True,
+                             squeeze=False)
     styles = ["-", "--", ":", "-."]  # identical curves (merge on and off sample the same tokens) stay visible
     for i, run in enumerate(runs):
         rows, evals = split(read_metrics(run))
@@ -100,9 +110,14 @@ def plot(runs: list[Path], out: Path) -> Path:
             ax.set_xlabel("rollout step")
             if log:
                 ax.set_yscale("log")
-    axes.flat[0].set_title("PPO ratio: mean (thick), max (thin)")
-    axes.flat[0].axhline(1.0, color="black", linewidth=0.6, linestyle="--")
-    axes.flat[4].set_title("held-out acc.: greedy •, sampled ×")
+            else:
+                ax.ticklabel_format(axis="y", useOffset=False)  # 0.99999 reads as itself, not as 1e-5 + 1
+    titles = {"ratio_mean": "PPO ratio: mean (thick), max (thin)",
+              "eval_reward_greedy": "held-out acc.: greedy •, sampled ×"}
+    for ax, (key, _, _) in zip(axes.flat, panels):
+        ax.set_title(titles.get(key, ax.get_title()))
+        if key == "ratio_mean":
+            ax.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     axes.flat[-1].legend(*axes.flat[0].get_legend_handles_labels(), loc="center", frameon=False, fontsize=8)
@@ -157,8 +172,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (or metrics.jsonl files)")
     parser.add_argument("--out", type=Path, default=Path("results/grpo_metrics.png"))
+    parser.add_argument("--panels", nargs="+", metavar="METRIC", help="only these panels (metric names), e.g. "
+                        "rollout_logprob_diff_mean")
     args = parser.parse_args()
-    print(plot(args.runs, args.out))
+    print(plot(args.runs, args.out, args.panels))
     table = summary(args.runs)
     print_table(table)
     args.out.with_suffix(".json").write_text(json.dumps(table, indent=2))

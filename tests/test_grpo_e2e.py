@@ -9,6 +9,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from grpo.config import MAX_LOGPROB_DIFF
 from recipe_runs import launch, read_evals, run_recipe
 
 METRIC_NAMES = {"rollout_step", "global_step", "merge", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max",
@@ -64,7 +65,7 @@ def check_eval_and_tensorboard(tmp_path, metrics):
     assert [e.step for e in events.Scalars("eval_reward_greedy")] == [0, 4, 6]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype):
     """With the sync disabled, vLLM keeps serving stale weights: the log-prob guard, at its default for the dtype,
     stops the run within a few rollout steps at a learning rate the embedded default trains with."""
@@ -73,25 +74,33 @@ def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype
     assert proc.returncode != 0
     assert "broken or skipped weight sync" in proc.stderr
     assert len(metrics) <= 4, [m["rollout_logprob_diff_mean"] for m in metrics]
-    default = {"float32": 1e-4, "bfloat16": 2e-2}[dtype]
+    default = MAX_LOGPROB_DIFF[dtype]
     baseline = metrics[0]["rollout_logprob_diff_mean"]  # rollout step 1: nothing trained yet
     assert baseline <= default / 4
     assert metrics[-1]["rollout_logprob_diff_mean"] > max(default, 10 * baseline)  # the calibrated limit
 
 
-@pytest.mark.parametrize("merge", [True, False], ids=["merge_on", "merge_off"])
-def test_bf16_trains_fp32_adapters_with_the_guard_armed(tmp_path, tiny_model, merge):
-    """bf16 base and compute, fp32 LoRA: the run completes under the bf16 guard and saves an fp32 adapter."""
+@pytest.mark.parametrize("dtype, merge", [("bfloat16", True), ("bfloat16", False), ("float16", True),
+                                          ("float16", False)], ids=["bf16_merge_on", "bf16_merge_off",
+                                                                    "fp16_merge_on", "fp16_merge_off"])
+def test_half_precision_trains_fp32_adapters_with_the_guard_armed(tmp_path, tiny_model, dtype, merge):
+    """bf16 or fp16 base and compute, fp32 LoRA: the run completes under the dtype's default guard and saves an fp32
+    adapter; fp16 reports its loss scale, and the merged push its precision figures, every rollout step."""
     from safetensors.torch import load_file
 
-    proc, metrics = launch(tmp_path, tiny_model, "model.dtype=bfloat16", f"lora.merge={str(merge).lower()}",
+    proc, metrics = launch(tmp_path, tiny_model, f"model.dtype={dtype}", f"lora.merge={str(merge).lower()}",
                            "learning_rate=1e-3")
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert len(metrics) == 3
     for m in metrics:
-        assert m["rollout_logprob_diff_mean"] <= 2e-2 / 4, m  # well inside the default bf16 guard
+        assert m["rollout_logprob_diff_mean"] <= MAX_LOGPROB_DIFF[dtype] / 4, m  # well inside the default guard
         assert m["ratio_onpolicy_maxdev"] <= 1e-5, m
         assert m["sync_changed_trainer"] == 0, m
+        assert ("loss_scale" in m) == (dtype == "float16"), m
+    if dtype == "float16":
+        assert metrics[-1]["loss_scale"] > 0 and metrics[-1]["skipped_steps"] >= 0
+    if merge:  # LoRA B = 0 at the first sync: no update to measure yet
+        assert all(0 < m["sync_delta_kept"] <= 1.01 for m in metrics[1:]), metrics
     adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
     assert adapter and all(t.dtype == torch.float32 for t in adapter.values())
 

@@ -68,10 +68,12 @@ def test_nan_reward_on_one_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_pa
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(last_good))
 
 
-def test_nonfinite_loss_stops_before_the_update(tmp_path, tiny_model):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_nonfinite_loss_stops_before_the_update(tmp_path, tiny_model, dtype):
     """A learning rate of 1e30 makes the weights huge at the first update (rollout step 3: the reward is flat before);
-    the first NaN/inf stops the step before optimizer.step(), naming the last good checkpoint."""
-    proc, metrics = launch(tmp_path, tiny_model, "learning_rate=1e30", "save_steps=2",
+    the first NaN/inf stops the step before optimizer.step(), naming the last good checkpoint. In fp16 the huge
+    fp32 LoRA weights overflow in the next forward (cast to fp16), which stops the same way."""
+    proc, metrics = launch(tmp_path, tiny_model, "learning_rate=1e30", "save_steps=2", f"model.dtype={dtype}",
                            "reward_funcs=[faulty_rewards:flat_for_two_steps]")
     assert proc.returncode != 0
     assert "non-finite loss" in proc.stderr and "stopped before the optimizer update" in proc.stderr
