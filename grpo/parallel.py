@@ -74,7 +74,8 @@ def fsdp_settings(env=os.environ) -> FSDPSettings:
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision not in ("no", "bf16"):
         raise ConfigError(f"accelerate config mixed_precision={precision!r} is not supported: use 'bf16' (bf16 compute, "
-                          "fp32 LoRA weights and gradient reduction) or 'no' (model.dtype decides)")
+                          "fp32 LoRA weights and gradient reduction) or 'no' (model.dtype decides; for fp16, 'no' with "
+                          "model.dtype=float16, which adds loss scaling)")
     if env.get("ACCELERATE_USE_FSDP", "false") != "true":
         return FSDPSettings(mixed_precision=precision)
     ram_efficient = env.get("FSDP_CPU_RAM_EFFICIENT_LOADING")

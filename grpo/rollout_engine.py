@@ -297,7 +297,9 @@ class RolloutEngine:
         dtype is below fp32 and they are asked for; none while the update is zero everywhere (LoRA B = 0).
         """
         stats = MergePrecisionStats() if self.precision_stats else None
-        self.push_weights(finite_or_stop(merged_lora_params(model, dtype=self.dtype, precision_stats=stats)))
+        weights = merged_lora_params(model, dtype=self.dtype, precision_stats=stats)
+        # only fp16's range is narrower than fp32's: there alone the cast of finite weights can overflow
+        self.push_weights(finite_or_stop(weights) if self.dtype == torch.float16 else weights)
         return {k: v for k, v in stats.metrics().items() if not math.isnan(v)} if stats else {}
 
     def serve_adapter(self, adapter_dir, version: int) -> None:

@@ -255,6 +255,9 @@ def lr_lambda(cfg: RecipeConfig, total_updates: int):
 def setup(cfg: RecipeConfig) -> Run:
     """Processes, run folder, data, policy, optimizer, rollout engine; resumed from a checkpoint if asked."""
     fsdp = fsdp_settings()
+    if fsdp.mixed_precision == "bf16" and cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16 with accelerate's mixed_precision='bf16' would compute in bf16 on fp16 "
+                          "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)")
     rank, world, device = init_distributed()
     # refuses what vLLM cannot do here, before any work
     engine_kwargs(cfg.model.name_or_path, **recipe_engine_args(cfg, rank=rank, world=world, device_type=device.type))

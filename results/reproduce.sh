@@ -7,19 +7,26 @@ export HF_HUB_OFFLINE=1
 launch=(.venv/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml)
 tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml)
 # A new run refuses to overwrite checkpoints; checkpoints are not committed, so clear the runs first.
-rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/tiny-cpu-bf16-merge \
-       results/tiny-cpu-bf16-lora results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-*
+rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
+       results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-*
 "${launch[@]}" "${tiny[@]}"                                                   # README's main command
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
-"${launch[@]}" "${tiny[@]}" model.dtype=bfloat16 max_steps=80 run_name=tiny-cpu-bf16-merge
-"${launch[@]}" "${tiny[@]}" model.dtype=bfloat16 max_steps=80 lora.merge=false run_name=tiny-cpu-bf16-lora
+# the precision set: fp32 / bf16 / fp16 x merge on / off, 20 rollout steps each (results/precision/<dtype>-<mode>)
+for dtype in float32 bfloat16 float16; do
+  for merge in true false; do
+    name="$(sed 's/^bfloat/bf/; s/^float/fp/' <<< "$dtype")-$([ "$merge" = true ] && echo merge || echo lora)"
+    "${launch[@]}" "${tiny[@]}" model.dtype=$dtype lora.merge=$merge max_steps=80 output_dir=results/precision \
+        run_name="$name"
+  done
+done
 "${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_moe_cpu.yaml
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
-.venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-bf16-merge results/tiny-cpu-bf16-lora \
+.venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \
     results/tiny-moe-cpu-merge results/trl-tiny-cpu --out results/grpo_variants.png
+.venv/bin/python recipes/plot_metrics.py results/precision/{fp32,bf16,fp16}-{merge,lora} --out results/grpo_precision.png
 .venv/bin/python recipes/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
 .venv/bin/python recipes/bench_sync.py --out results/bench_sync.json
 .venv/bin/python recipes/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
