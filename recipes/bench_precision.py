@@ -1,14 +1,15 @@
 """Does serving merged LoRA weights in bf16 lose the update? Merged vs adapter vs trainer, bf16 and fp16.
 
-    python recipes/bench_precision.py --out results/bench_precision.json     # ~10 min on the 2-core CPU
-    python recipes/plot_bench.py --precision results/bench_precision.json --out results/bench_precision.png
+    python recipes/bench_precision.py --out results/bench_precision.json     # 16 min on the 2-core CPU
+    python recipes/plot_precision.py results/bench_precision.json --out results/bench_precision.png
 
-The field's worry (NeMo-RL RFC #3696, prime-rl #1320): `cast(W + scale·B·A)` to bf16 drops an update smaller than
-half an ulp of W, so merged weights might lose what serving the adapter keeps. Measured here on two models whose
+The field's worry (NeMo-RL RFC #3696, prime-rl #1320): `cast(W + scale·B·A)` to bf16 drops an update smaller
+than half an ulp of W, so merged weights might lose what serving the adapter keeps. Measured on two models whose
 base weights lie on the bf16 grid, as a released checkpoint's do: two decoder layers of Qwen3-4B's exact shape
-with its 151,936-token vocabulary (`grpo.qwen3_4b_shape`, random weights) and the embedded "small" model (26.5M,
-its weights rounded to bf16). A LoRA of rank 32 (alpha 64) on every linear layer, its B scaled so that the update
-Δ = scale·B·A has, in every layer, a root-mean-square of ``--update-ulps`` × the root-mean-square bf16 ulp of W.
+with its 151,936-token vocabulary (`grpo.qwen3_4b_shape`, random weights) and the embedded "small" model (25.2M
+parameters, 26.5M with the other benchmarks' rank-16 LoRA; its weights rounded to bf16). A LoRA of rank 32
+(alpha 64) on every linear layer, its B scaled so that the update Δ = scale·B·A has, in every layer, a
+root-mean-square of ``--update-ulps`` × the root-mean-square bf16 ulp of W.
 On fixed token sequences (random ids, every position scored at temperature 1), for bf16 and fp16:
 
 - ``reference``: fp32, W + Δ exact (peft's fp32 forward of the bf16-grid W and the fp32 LoRA); and W alone;
@@ -20,9 +21,9 @@ On fixed token sequences (random ids, every position scored at temperature 1), f
   loses, without the rounding of the dtype's arithmetic that every served mode adds.
 
 Per mode: ``mean_abs_err`` = mean |log p − log p_reference|; ``update_share`` = ⟨c, c_ref⟩ / ⟨c_ref, c_ref⟩ with
-c = log p(W + Δ) − log p(W) of the mode itself and c_ref the reference's (1: the mode reproduces the LoRA's own
-change of the log-probs; 0: it drops it); ``update_rel_err`` = ‖c − c_ref‖ / ‖c_ref‖; and for the vLLM modes
-``vllm_minus_trainer`` = mean |log p_vLLM − log p_trainer|, what the importance-sampling correction absorbs.
+c = log p(W + Δ) − log p(W) of the mode itself and c_ref the reference's (1: the mode reproduces the LoRA's
+own change of the log-probs; 0: it drops it); ``update_rel_err`` = ‖c − c_ref‖ / ‖c_ref‖; and for the vLLM modes
+``vllm_minus_trainer`` = mean |log p_vLLM − log p_trainer|, what importance sampling must absorb.
 Where Δ falls in training: with Adam, each step moves a LoRA entry by about lr, so after k coherent steps an
 entry of Δ is about scale·sqrt(r)·|A|·k·lr ≈ 0.13·k·lr at Qwen3-4B's shape (|A| ≈ 0.011, kaiming init), against
 a bf16 ulp of 1.2e-4 at |W| ≈ 0.02: about 1000·k·lr ulps, 0.01 after one step at lr 1e-5, 1 after 100.
@@ -55,9 +56,9 @@ def base_model_dir(name: str, cache: Path) -> str:
         return build_qwen3_4b_shape(cache / "qwen3-4b-2layers", num_layers=2, dtype="bfloat16")
     from grpo.tiny_gsm8k import build_tiny_model
 
-    out = cache / "bench-precision-small-bf16"
+    out = cache / f"bench-precision-{name}-bf16"
     if not (out / "config.json").is_file():
-        source = build_tiny_model(cache / "bench-small", size="small", seed=0, warmup_steps=0)
+        source = build_tiny_model(cache / f"bench-{name}", size=name, seed=0, warmup_steps=0)
         AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(out)
         AutoTokenizer.from_pretrained(source).save_pretrained(out)
     return str(out)
@@ -208,7 +209,7 @@ def bench_model(name: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-4b-2layers", "small"],
-                        choices=["qwen3-4b-2layers", "small"])
+                        choices=["qwen3-4b-2layers", "small", "tiny"])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     parser.add_argument("--update-ulps", nargs="+", type=float, default=[0.03, 0.1, 0.3, 1.0, 3.0])
     parser.add_argument("--rank", type=int, default=32)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates every file in results/ (after `bash setup.sh`), one job after another on a quiet machine: the
-# timings are only comparable when nothing else shares the cores. ~47 min on the 2-core CPU machine.
+# timings are only comparable when nothing else shares the cores. About an hour on the 2-core CPU machine (47 min
+# before the precision set and bench_precision.py, which took ~10 and ~16 min on the AVX-512 machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
@@ -40,3 +41,6 @@ done
     --device-gib 22.35 > results/memory_plan_qwen3_4b_24gb.txt
 # the update phase's log-probs: full-vocabulary logits vs the LM head on response rows in chunks (memory, time)
 .venv/bin/python recipes/bench_logprobs.py --out results/bench_logprobs.json
+# merged vs adapter vs trainer in bf16 and fp16 against fp32 W + delta, over update sizes (Qwen3-4B's shape, 26.5M)
+.venv/bin/python recipes/bench_precision.py --out results/bench_precision.json
+.venv/bin/python recipes/plot_precision.py results/bench_precision.json --out results/bench_precision.png

@@ -41,6 +41,15 @@ def test_runs_that_merged_below_fp32_get_the_precision_panel(tmp_path):
     assert with_panel.shape[0] > plain.shape[0]  # a third row of panels
 
 
+def test_panels_selects_what_is_drawn_and_names_an_unknown_one(tmp_path):
+    runs = [write_run(tmp_path / "on", True, False, 1.0), write_run(tmp_path / "off", False, False, 1.0)]
+    one = matplotlib.image.imread(plot(runs, tmp_path / "one.png", only=["rollout_logprob_diff_mean"]))
+    full = matplotlib.image.imread(plot(runs, tmp_path / "full.png"))
+    assert one.shape[1] < full.shape[1] and one.shape[0] < full.shape[0]  # one panel and the legend
+    with pytest.raises(ValueError, match="logprob_dif'"):
+        plot(runs, tmp_path / "bad.png", only=["logprob_dif"])
+
+
 def test_missing_metrics_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         plot([tmp_path / "nothing-here"], tmp_path / "x.png")
