@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from grpo.figures import save_figure  # noqa: E402
+
 MODES = [("base", "base weights"), ("merged", "merged LoRA"), ("lora", "vLLM LoRA")]
 METHODS = {
     "merged_lora_params": "ours\n(layer-\nwise)",
@@ -98,10 +100,7 @@ def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
                              gridspec_kw=dict(width_ratios=[1.7, 1, 1]))
     rollout_panel(axes[0], rollout)
     sync_panels(axes[1], axes[2], sync)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 if __name__ == "__main__":

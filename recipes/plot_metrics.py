@@ -25,6 +25,8 @@ import yaml
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from grpo.figures import save_figure  # noqa: E402
+
 PANELS = [
     ("ratio_mean", "PPO ratio (mean over tokens)", True),
     ("rollout_logprob_diff_mean", "|vLLM − trainer| log-prob", True),
@@ -121,10 +123,7 @@ def plot(runs: list[Path], out: Path, only: list[str] | None = None) -> Path:
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     axes.flat[-1].legend(*axes.flat[0].get_legend_handles_labels(), loc="center", frameon=False, fontsize=8)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def _mean(values: list[float]) -> float:

@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from grpo.figures import save_figure  # noqa: E402
+
 MODES = {"vllm_merged": "vLLM, merged weights", "vllm_adapter": "vLLM, adapter (LoRARequest)",
          "trainer": "trainer (autocast, fp32 LoRA)", "merged_weights_fp32_compute": "merged weights, fp32 compute"}
 DTYPES = {"bfloat16": ("bf16", "-"), "float16": ("fp16", "--")}
@@ -60,10 +62,7 @@ def plot(data: dict, out: Path) -> Path:
             ax.set_xscale("log")
             ax.set_xlabel("update RMS / RMS bf16 ulp of W")
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center", ncol=3, frameon=False, fontsize=7)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 if __name__ == "__main__":
