@@ -7,7 +7,8 @@ The field's worry (NeMo-RL RFC #3696, prime-rl #1320): `cast(W + scale·B·A)` t
 than half an ulp of W, so merged weights might lose what serving the adapter keeps. Measured on two models whose
 base weights lie on the bf16 grid, as a released checkpoint's do: two decoder layers of Qwen3-4B's exact shape
 with its 151,936-token vocabulary (`grpo.qwen3_4b_shape`, random weights) and the embedded "small" model (25.2M
-parameters, 26.5M with the other benchmarks' rank-16 LoRA; its weights rounded to bf16). A LoRA of rank 32
+parameters, 26.5M with the other benchmarks' rank-16 LoRA; freshly initialised, as the other benchmarks use it, its
+weights rounded to bf16). A LoRA of rank 32
 (alpha 64) on every linear layer, its B scaled so that the update Δ = scale·B·A has, in every layer, a
 root-mean-square of ``--update-ulps`` × the root-mean-square bf16 ulp of W.
 On fixed token sequences (random ids, every position scored at temperature 1), for bf16 and fp16:
