@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,8 +70,9 @@ class Run:
     num_rollout_steps: int
     resumed_rollout_step: int  # 0 for a fresh run
     guard: LogprobGuard
-    loss_scale: DynamicLossScale  # fp16 only: dynamic loss scaling (disabled, scale 1, in fp32 and bf16)
     last_checkpoint: Path | None = None
+    # fp16 only: dynamic loss scaling (disabled, scale 1, in fp32 and bf16)
+    loss_scale: DynamicLossScale = field(default_factory=lambda: DynamicLossScale(enabled=False))
 
     @property
     def updates_per_rollout(self) -> int:
