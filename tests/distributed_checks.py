@@ -4,7 +4,6 @@ Run by tests/test_distributed.py (gloo on CPU). Each check asserts on every rank
 """
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from merge import merged_lora_params
 from padding import packed_log_probs
 from grpo.parallel import apply_activation_checkpointing, apply_fsdp, check_same_weights, check_shared_output_dir
 from qwen3_lora import tiny_qwen3
+from torchrun import finish_worker
 
 
 def packed_batch(rank: int, rows: int, length: int, vocab: int = 128):
@@ -195,10 +195,4 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     globals()[check](rank, tmp)
     print(f"rank {rank}: {check} OK", flush=True)
-    if dist.is_initialized():  # a vLLM engine's shutdown takes the default group with it
-        dist.destroy_process_group()
-    # every assertion has passed; skip the interpreter's teardown of C++ threads, which aborted once in ~20 suite
-    # runs ("terminate called without an active exception", SIGABRT after both ranks printed their results)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_worker()  # (a vLLM engine's shutdown may already have taken the default group with it)

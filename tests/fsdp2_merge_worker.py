@@ -14,6 +14,7 @@ import torch.distributed as dist
 from grpo.bench_common import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
 from merge import decoder_layers, merged_lora_params
 from qwen3_lora import shard_and_train, tiny_lora
+from torchrun import finish_worker
 
 
 def main():
@@ -64,7 +65,7 @@ def main():
     # training still works after the merge (every group resharded properly)
     model(input_ids=ids, labels=ids).loss.backward()
     print(f"rank {rank}: FSDP2 MERGE OK")
-    dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from merge import merged_lora_params
 from qwen3_lora import shard_and_train, tiny_lora
 from qwen3_moe_lora import tiny_moe_lora
+from torchrun import finish_worker
 
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CASES = {  # name: (model builder, FSDP2 mixed precision policy or None)
@@ -87,7 +88,7 @@ def main():
     for name in sys.argv[1:] or CASES:
         check_case(name, *CASES[name], rank)
     print(f"rank {rank}: FSDP2 MOE MERGE OK")
-    dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from merge import MergePrecisionStats, merged_lora_params
 from qwen3_lora import shard_and_train, tiny_lora
 from qwen3_moe_lora import tiny_moe_lora
+from torchrun import finish_worker
 
 CASES = {  # name: (model builder, FSDP2 mixed precision policy or None)
     "dense fp32": (lambda: tiny_lora(), None),
@@ -58,7 +59,7 @@ def main():
     for name, (build, mp_policy) in CASES.items():
         check_case(name, build, mp_policy, rank)
     print(f"rank {rank}: FSDP2 PRECISION OK")
-    dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Two processes (this file is also the torchrun worker): under FSDP2 (``fully_shar
 root, as recipes/parallel.py's apply_fsdp), the chunked head gives today's log-probs, entropies and LoRA gradients.
 """
 
-import sys
 import time
 
 import torch
@@ -140,6 +139,8 @@ def fsdp2_case(name: str, rank: int) -> None:
 if __name__ == "__main__":
     import torch.distributed as dist
 
+    from torchrun import finish_worker
+
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -147,5 +148,4 @@ if __name__ == "__main__":
                  "dense, bf16 base and compute, fp32 LoRA"):
         fsdp2_case(case, rank)
     print(f"rank {rank}: PADDING FSDP2 OK", flush=True)
-    dist.destroy_process_group()
-    sys.exit(0)
+    finish_worker()

@@ -23,3 +23,17 @@ def torchrun(worker: str, *args: str, ok_marker: str, timeout: int = 600, base_e
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count(ok_marker) == 2, proc.stdout[-4000:]
     return proc
+
+
+def finish_worker() -> None:
+    """The end of a worker whose checks all passed: leave the process group, flush, and exit without the
+    interpreter's teardown. Workers on this CPU stack now and then abort in that teardown, after every check
+    passed ("terminate called without an active exception", SIGABRT: 2 of ~30 worker runs in three fresh-clone
+    suite runs at stop 23), which would fail a test that has nothing wrong."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
