@@ -71,29 +71,31 @@ def bf16_ulp(weight: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(weight, dtype=torch.float32), exponent - 8)
 
 
-@torch.no_grad()
-def lora_of_size(model, update_ulps: float, rank: int, seed: int = 0):
-    """``model`` (fp32) with a rank-``rank`` LoRA whose update has RMS ``update_ulps`` x RMS bf16 ulp of W, per layer.
-
-    Returns (peft model, realised ratios per layer: min, max)."""
+def attach_lora(model, rank: int, seed: int = 0):
+    """``model`` with a rank-``rank`` LoRA (alpha 2·rank) on every linear layer, peft's initialisation."""
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import LoraLayer
 
     torch.manual_seed(seed)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_LINEAR))
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_LINEAR))
+
+
+@torch.no_grad()
+def size_update(model, update_ulps: float, seed: int = 0) -> tuple[float, float]:
+    """Draw every lora_B and scale it so that the layer's update has RMS ``update_ulps`` x RMS bf16 ulp of W.
+
+    Returns the realised ratios over the layers (min, max)."""
+    from peft.tuners.lora import LoraLayer
+
     generator = torch.Generator().manual_seed(seed + 1)
     ratios = []
     for module in model.modules():
         if isinstance(module, LoraLayer) and "default" in module.lora_A:
-            weight = module.get_base_layer().weight
-            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            ulp_rms = bf16_ulp(module.get_base_layer().weight).square().mean().sqrt()
+            a, b, scaling = module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
             b.copy_(torch.randn(b.shape, generator=generator))
-            delta = module.scaling["default"] * (b @ a)
-            target = update_ulps * bf16_ulp(weight).square().mean().sqrt()
-            b.mul_(target / delta.square().mean().sqrt())
-            ratios.append(float((module.scaling["default"] * (b @ a)).square().mean().sqrt()
-                                / bf16_ulp(weight).square().mean().sqrt()))
-    return model, (min(ratios), max(ratios))
+            b.mul_(update_ulps * ulp_rms / (scaling * (b @ a)).square().mean().sqrt())
+            ratios.append(float((scaling * (b @ a)).square().mean().sqrt() / ulp_rms))
+    return min(ratios), max(ratios)
 
 
 def token_logprobs(model, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -156,7 +158,8 @@ def bench_model(name: str, args) -> dict:
     ref_base = token_logprobs(reference, ids)
     adapters, refs = [], []
     for k, ulps in enumerate(args.update_ulps):  # the fp32 reference and the adapter of every update size
-        peft_model, ratios = lora_of_size(reference, ulps, args.rank)
+        peft_model = attach_lora(reference, args.rank)
+        ratios = size_update(peft_model, ulps)
         refs.append(token_logprobs(peft_model, ids))
         adapter_dir = Path(args.cache) / f"bench-precision-{name}-lora-{k}"
         peft_model.save_pretrained(adapter_dir)
@@ -177,14 +180,14 @@ def bench_model(name: str, args) -> dict:
         cast_only = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         base_errors = {mode: float((logps - ref_base).abs().mean()) for mode, logps in base.items()}
         for k, ((ulps, ratios, adapter_dir, lora_state), ref) in enumerate(zip(adapters, refs)):
-            peft_fp32, _ = lora_of_size(reference, ulps, args.rank)  # the same adapter, on fp32 W
+            peft_fp32 = attach_lora(reference, args.rank)  # the same adapter, on fp32 W
             peft_fp32.load_state_dict(lora_state, strict=False)
             stats = merged.sync_merged(peft_fp32)  # cast(W + Δ) computed in fp32, as the recipe pushes it
             pushed = {n: t.float() for n, t in merged_lora_params(peft_fp32, dtype=dtype)}  # the same tensors
             cast_only.load_state_dict(pushed, strict=False)
             reference = peft_fp32.unload()
             with_lora.serve_adapter(adapter_dir, k + 1)
-            trainer, _ = lora_of_size(trainer_base, ulps, args.rank)  # W in dtype, the LoRA in fp32
+            trainer = attach_lora(trainer_base, args.rank)  # W in dtype, the LoRA in fp32
             trainer.load_state_dict(lora_state, strict=False)
             logps = dict(vllm_merged=vllm_logprobs(merged, ids), trainer=token_logprobs(trainer, ids, dtype),
                          vllm_adapter=vllm_logprobs(with_lora, ids, with_lora.lora_request),
