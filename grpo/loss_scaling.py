@@ -34,7 +34,7 @@ class DynamicLossScale:
     def unscale_(self, params) -> bool:
         """Divide the gradients of ``params`` by the scale; True if every rank's gradients are finite (collective).
 
-        On False the caller skips the optimizer step (the gradients hold an overflow) and calls `update(False)`.
+        On False the gradients hold an overflow: `step` then skips the optimizer step and backs off.
         """
         if not self.enabled:
             return True

@@ -79,7 +79,7 @@ def step_metrics(run: Run, rollout_step: int, total: dict) -> dict:
         metrics.update(is_ratio_mean=total["vllm_ratio_sum"] / max(1.0, total["vllm_ratio_count"]),
                        is_ratio_min=total["vllm_ratio_min"], is_ratio_max=total["vllm_ratio_max"])
     metrics.update({k: v for k, v in total.items() if k.startswith("sync_delta_")})
-    if "loss_scale_min" in total:  # fp16: the loss scale after this step's updates, steps skipped on an overflow
+    if "loss_scale_min" in total:  # fp16: the lowest loss scale of this step's updates; steps skipped so far
         metrics.update(loss_scale=total["loss_scale_min"], skipped_steps=int(total["skipped_steps_max"]))
     if "sync_changed_trainer" in total:
         metrics["sync_changed_trainer"] = int(total["sync_changed_trainer"])

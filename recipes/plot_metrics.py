@@ -84,11 +84,11 @@ def plot(runs: list[Path], out: Path, only: list[str] | None = None) -> Path:
                          "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3})
     panels = PANELS + [PRECISION_PANEL] * any(PRECISION_PANEL[0] in row for run in runs for row in read_metrics(run))
     if only:
-        unknown = sorted(set(only) - {key for key, _, _ in PANELS + [PRECISION_PANEL]})
+        every = PANELS + [PRECISION_PANEL]
+        unknown = sorted(set(only) - {key for key, _, _ in every})
         if unknown:
-            raise ValueError(f"--panels {unknown}: not a panel; choose from "
-                             f"{[k for k, _, _ in PANELS + [PRECISION_PANEL]]}")
-        panels = [panel for panel in PANELS + [PRECISION_PANEL] if panel[0] in only]
+            raise ValueError(f"--panels {unknown}: not a panel; choose from {[key for key, _, _ in every]}")
+        panels = [panel for panel in every if panel[0] in only]
     ncols = min(4, len(panels) + 1)
     nrows = -(-(len(panels) + 1) // ncols)  # and one cell for the legend
     fig, axes = plt.subplots(nrows, ncols, figsize=(2.75 * ncols, 2.4 * nrows), constrained_layout=True,

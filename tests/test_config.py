@@ -166,3 +166,14 @@ def test_the_bare_command_without_a_model_says_how_to_run_the_embedded_default(t
     assert not (tmp_path / "results").exists()
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://hub.invalid")  # a name that never resolves
     assert not hub_reachable_or_cached("Qwen/Qwen3-4B")
+
+
+def test_fp16_under_accelerates_bf16_mixed_precision_is_refused(monkeypatch):
+    """mixed_precision='bf16' would compute in bf16 on fp16 weights, without loss scaling: refused before any work."""
+    from grpo.run import setup
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "recipes/configs/tiny_cpu.yaml"), ["model.dtype=float16"])
+    with pytest.raises(ConfigError, match=r"model\.dtype=float16 with accelerate's mixed_precision='bf16'"):
+        setup(cfg)
