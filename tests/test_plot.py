@@ -1,10 +1,14 @@
-"""The plotting script renders headless (Agg) from metrics.jsonl files alone."""
+"""The plotting script renders headless (Agg) from metrics.jsonl files alone, and draws what they hold."""
 
 import json
+import runpy
+import sys
+from pathlib import Path
 
 import matplotlib.image
 import pytest
 
+import plot_metrics
 from plot_metrics import plot, summary
 
 
@@ -20,13 +24,38 @@ def write_run(folder, merge, legacy, ratio):
     return folder
 
 
-def test_plot_renders_a_nontrivial_png(tmp_path):
+def test_plot_draws_each_runs_metrics_and_the_script_writes_its_summary(tmp_path, monkeypatch):
     runs = [write_run(tmp_path / "on", True, False, 1.0), write_run(tmp_path / "off", False, False, 1.0),
             write_run(tmp_path / "legacy", True, True, 4e5)]
-    out = plot(runs, tmp_path / "plots" / "metrics.png")
-    image = matplotlib.image.imread(out)
-    assert image.shape[0] > 400 and image.shape[1] > 600
-    assert image[..., :3].std() > 0.05  # not a blank canvas
+    figures = []
+    monkeypatch.setattr(plot_metrics, "save_figure", lambda fig, out: figures.append(fig) or out)
+    plot(runs, tmp_path / "metrics.png")
+    panels = {ax.get_title(): ax for ax in figures[0].axes if ax.get_title()}
+    for i, run in enumerate(runs):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "reward_mean" in r]
+        evals = [r for r in rows if "eval_reward_greedy" in r]
+        for title, key in [("mean reward", "reward_mean"), ("rollout tokens / s", "rollout_tokens_per_s"),
+                           ("|vLLM − trainer| log-prob", "rollout_logprob_diff_mean"), ("weight sync (s)", "sync_s"),
+                           ("rollout step wall time (s)", "step_s")]:
+            line = panels[title].get_lines()[i]
+            assert list(line.get_xdata()) == [r["rollout_step"] for r in steps], title
+            assert list(line.get_ydata()) == [r[key] for r in steps], title
+        mean, extreme = panels["PPO ratio: mean (thick), max (thin)"].get_lines()[2 * i: 2 * i + 2]
+        assert list(mean.get_ydata()) == [r["ratio_mean"] for r in steps]
+        assert list(extreme.get_ydata()) == [r["ratio_max"] for r in steps]
+        greedy, sampled = panels["held-out acc.: greedy •, sampled ×"].get_lines()[2 * i: 2 * i + 2]
+        assert list(greedy.get_xdata()) == [r["rollout_step"] for r in evals]
+        assert list(greedy.get_ydata()) == [r["eval_reward_greedy"] for r in evals]
+        assert list(sampled.get_ydata()) == [r["eval_reward_sampled"] for r in evals]
+    legend = [t.get_text() for t in figures[0].axes[-1].get_legend().get_texts()]
+    assert legend == ["merged weights", "vLLM LoRA", "merged weights, legacy padding"]
+
+    script = Path(plot_metrics.__file__)  # the command line writes the summary table beside the PNG
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, runs), "--out", str(tmp_path / "cli.png")])
+    runpy.run_path(str(script), run_name="__main__")
+    assert (tmp_path / "cli.png").stat().st_size > 0
+    assert json.loads((tmp_path / "cli.json").read_text()) == summary(runs)
 
 
 def test_runs_that_merged_below_fp32_get_the_precision_panel(tmp_path):

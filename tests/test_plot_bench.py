@@ -1,10 +1,12 @@
-"""plot_bench renders headless (Agg) from the two benchmark JSON files alone (small synthetic ones here)."""
+"""plot_bench renders headless (Agg) from the two benchmark JSON files alone (small synthetic ones here), and draws
+what they hold."""
 
 import json
 
 import matplotlib.image
 import pytest
 
+import plot_bench
 from plot_bench import plot
 
 
@@ -30,11 +32,24 @@ def sync_json(path):
     return path
 
 
-def test_plot_bench_renders_a_nontrivial_png(tmp_path):
-    out = plot(rollout_json(tmp_path / "rollout.json"), sync_json(tmp_path / "sync.json"), tmp_path / "plots" / "b.png")
+def test_plot_bench_draws_the_benchmarks_figures(tmp_path, monkeypatch):
+    rollout, sync = rollout_json(tmp_path / "rollout.json"), sync_json(tmp_path / "sync.json")
+    out = plot(rollout, sync, tmp_path / "plots" / "b.png")
     image = matplotlib.image.imread(out)
     assert image.shape[0] > 400 and image.shape[1] > 1000
-    assert image[..., :3].std() > 0.05  # not a blank canvas
+    figures = []
+    monkeypatch.setattr(plot_bench, "save_figure", lambda fig, out: figures.append(fig) or out)
+    plot(rollout, sync, tmp_path / "b.png")
+    throughput, seconds, memory = figures[0].axes
+    results, methods = json.loads(rollout.read_text())["results"], json.loads(sync.read_text())["methods"]
+    heights = [bar.get_height() for bar in throughput.patches]  # the bars of base, then merged, then lora
+    assert heights == [r["tokens_per_s"][mode] for mode in ("base", "merged", "lora") for r in results]
+    labels = [t.get_text() for t in throughput.texts]
+    assert labels == [f"{r['merged_over_base']:.2f}× base\n{r['merged_over_lora']:.1f}× LoRA" for r in results]
+    assert [bar.get_height() for bar in seconds.patches] == [m["median_s"] for m in methods.values()]
+    assert [t.get_text() for t in seconds.texts] == [f"{m['over_plain_push']:.2f}×" for m in methods.values()]
+    assert [bar.get_height() for bar in memory.patches] == [
+        m["peak_extra_layers"][consumer] for consumer in ("drain", "vllm_push") for m in methods.values()]
 
 
 def test_missing_or_wrong_files_are_named(tmp_path):
