@@ -107,12 +107,12 @@ def test_half_precision_trains_fp32_adapters_with_the_guard_armed(tmp_path, tiny
 
 def test_moe_experts_merged_and_served(tmp_path, tiny_moe_model):
     """LoRA on the fused expert weights and on attention, merged layer by layer and served by vLLM: the same
-    fidelity as the dense model."""
+    fidelity as the dense model (|vLLM - trainer| <= 1e-6 in fp32, on-policy ratio 1)."""
     proc, metrics = launch(tmp_path, tiny_moe_model, config="tiny_moe_cpu.yaml")
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert len(metrics) == 3
     for m in metrics:
-        assert m["rollout_logprob_diff_mean"] <= 1e-4, m
+        assert m["rollout_logprob_diff_mean"] <= 1e-6, m  # as the dense model's runs
         assert m["ratio_onpolicy_maxdev"] <= 1e-5, m
         assert m["sync_changed_trainer"] == 0, m
     saved = (tmp_path / "run" / "adapter" / "adapter_config.json").read_text()
