@@ -58,9 +58,14 @@ def test_merged_push_serves_the_trainers_log_probs(engine_and_policy, caplog):
     sample = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, logprobs=0))[0]
     ids = torch.tensor([prompt + sample.completion_ids])
     response = torch.zeros(1, len(sample.completion_ids), dtype=torch.long) + 1
+    served = torch.tensor(sample.logprobs)
     with torch.no_grad():
         trainer = packed_log_probs(policy, ids, torch.ones_like(ids), response)[0]
-    assert (trainer - torch.tensor(sample.logprobs)).abs().max().item() <= 1e-4
+        with policy.disable_adapter():  # control: the base weights, i.e. a push that left the LoRA out
+            base = packed_log_probs(policy, ids, torch.ones_like(ids), response)[0]
+    error, lora_effect = (trainer - served).abs().max().item(), (base - served).abs().max().item()
+    assert error <= 1e-4, error
+    assert lora_effect > 100 * 1e-4, lora_effect  # the LoRA moves log-probs far beyond the bound (~0.2)
 
 
 @pytest.mark.parametrize("dropped, named", [
