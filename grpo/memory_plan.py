@@ -21,8 +21,9 @@ device. The terms (per device, bytes):
                     the fp32 log-softmax): of one chunk of padding.logprob_chunk_size response positions (the
                     LM head runs on response positions only, chunk by chunk, recomputed in the backward), or of
                     every packed token when logprob_chunk_size is null.
-  unsharded root    FSDP2's root group (embedding, tied lm_head, final norm) in the compute dtype: FSDP2 keeps
-                    the root unsharded from the forward to the end of the backward (0.72 GiB at Qwen3-4B in bf16)
+  unsharded root    FSDP2's root group (embedding, tied lm_head, final norm) in the compute dtype: unsharded
+                    through the whole forward and the whole backward, which enclose every layer's (0.72 GiB at
+                    Qwen3-4B in bf16)
   sync copies       the largest group's tensors in flight during a sync (the root's, at Qwen3-4B): its all-gather
                     and merged_lora_params' copy of it when sharded, and the layer vLLM's reload rebuilds
   vLLM CUDA graphs  vLLM 0.32's sleep mode releases weights and KV cache but keeps its CUDA graphs on the GPU
@@ -114,7 +115,7 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
     terms = {
         "policy shard": counts["total"] * weight_bytes / world,
         "unsharded layers": 2 * counts["layer"] * compute_bytes if sharded else 0,
-        # FSDP2 never reshards its root group between the forward and the backward
+        # FSDP2's root group stays unsharded through the model's forward and its backward, every layer's included
         "unsharded root": counts["root"] * compute_bytes if sharded else 0,
         "LoRA + AdamW": 16 * counts["lora"] / world,
         "vLLM weights": counts["total"] * weight_bytes,

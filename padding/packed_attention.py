@@ -97,9 +97,10 @@ def _varlen_attention(module, query, key, value, bounds: list[int], scaling):
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     cu_seqlens = _cu_seqlens(tuple(bounds), query.device)
     longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
-    out = varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seqlens,
-                      cu_seqlens, longest, longest, scale=scaling, window_size=(-1, 0),  # (-1, 0): causal
-                      enable_gqa=query.shape[1] != key.shape[1])
+    # [T, H, D] rows, made contiguous as transformers' own flash_attention_2 path does (one copy per layer)
+    query, key, value = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    out = varlen_attn(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scaling,
+                      window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])  # (-1, 0): causal
     return out[None]
 
 

@@ -317,9 +317,9 @@ def test_fsdp_keys_the_recipe_would_not_carry_out_are_refused_by_name(variable, 
 
 # ----------------------------------------------------------------------------- what the plan had left out
 def test_the_plan_counts_fsdp2s_root_the_syncs_copies_and_sleeping_cuda_graphs():
-    """At Qwen3-4B's shape in bf16: the root group (embedding = tied lm_head, final norm) stays unsharded through
-    the update; a sync holds the root's all-gather, its copy and vLLM's rebuilt embedding; vLLM's CUDA graphs stay
-    on the GPU while it sleeps. The 24 GB and 80 GB configs still fit."""
+    """At Qwen3-4B's shape in bf16: the root group (embedding = tied lm_head, final norm) is unsharded during
+    every layer's forward and backward; a sync holds the root's all-gather, its copy and vLLM's rebuilt embedding;
+    vLLM's CUDA graphs stay on the GPU while it sleeps. The 24 GB and 80 GB configs still fit."""
     cfg = load_config(QWEN_CONFIG)
     c = qwen3_4b_config()
     root = c.vocab_size * c.hidden_size + c.hidden_size  # embed_tokens (lm_head tied to it) + the final norm

@@ -971,7 +971,7 @@ def fake_varlen_attn(calls):
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                     enable_gqa=False):
-        assert query.dim() == 3 and key.shape[0] == query.shape[0] and query.stride(-1) == 1
+        assert query.dim() == 3 and key.shape[0] == query.shape[0] and query.is_contiguous() and key.is_contiguous()
         assert cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32 and cu_seq_q.device == query.device
         bounds = cu_seq_q.tolist()
         assert bounds[0] == 0 and bounds[-1] == query.shape[0]
