@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -191,6 +192,7 @@ class RecipeConfig:
             check_supported_loss(self)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        check_attn_implementation(self.model.attn_implementation)
         if self.lora.use_dora:
             raise ConfigError("lora.use_dora=True is not supported: merge/ (lora.merge=true) and vLLM's LoRA "
                               "(lora.merge=false) both serve plain LoRA only")
@@ -206,6 +208,15 @@ class RecipeConfig:
             if self.lora.modules_to_save:
                 raise ConfigError(f"lora.merge=false: vLLM's LoRA cannot serve lora.modules_to_save="
                                   f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)")
+
+
+def check_attn_implementation(name: str) -> None:
+    """flash_attention_2 needs the flash-attn package: without it transformers fails only in from_pretrained, after
+    the data and the memory plan."""
+    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("model.attn_implementation='flash_attention_2' needs the flash-attn package, which is not "
+                          "installed (it is not in requirements-gpu.txt); use packed_sdpa (the default: on CUDA one "
+                          "variable-length FlashAttention call per layer, from torch itself)")
 
 
 def _get(config, dotted: str):

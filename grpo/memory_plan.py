@@ -21,11 +21,19 @@ device. The terms (per device, bytes):
                     the fp32 log-softmax): of one chunk of padding.logprob_chunk_size response positions (the
                     LM head runs on response positions only, chunk by chunk, recomputed in the backward), or of
                     every packed token when logprob_chunk_size is null.
+  unsharded root    FSDP2's root group (embedding, tied lm_head, final norm) in the compute dtype: unsharded
+                    through the whole forward and the whole backward, which enclose every layer's (0.72 GiB at
+                    Qwen3-4B in bf16)
+  sync copies       the largest group's tensors in flight during a sync (the root's, at Qwen3-4B): its all-gather
+                    and merged_lora_params' copy of it when sharded, and the layer vLLM's reload rebuilds
+  vLLM CUDA graphs  vLLM 0.32's sleep mode releases weights and KV cache but keeps its CUDA graphs on the GPU
+                    (sleep_mode_offload_cudagraph defaults to False): the 1 GiB margin stays in the update phase
 
-Phases: sync (shard + LoRA/AdamW + vLLM weights + unsharded layers), rollout (shard + LoRA/AdamW + vLLM
-weights + KV cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + activations, plus vLLM's weights and KV
-cache unless vllm.enable_sleep_mode releases them). An estimate, not a measurement: allocator fragmentation
-and the CUDA context (~1 GiB) come on top, so the check leaves 10% of the device free.
+Phases: sync (shard + LoRA/AdamW + vLLM weights + sync copies), rollout (shard + LoRA/AdamW + vLLM weights + KV
+cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + unsharded root + activations, plus vLLM's
+weights, KV cache and runtime unless vllm.enable_sleep_mode releases them, which leaves the CUDA graphs). An
+estimate, not a measurement: allocator fragmentation and the CUDA context (~1 GiB) come on top, so the check leaves
+10% of the device free.
 """
 
 from __future__ import annotations
@@ -51,8 +59,11 @@ def _parameter_counts(model_config, target_modules: list[str], rank: int) -> dic
     lora = sum(rank * (module.in_features + module.out_features)
                for layer in layers for name, module in layer.named_modules()
                if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules)
-    return dict(total=sum(p.numel() for p in model.parameters()),
-                layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers), lora=lora)
+    total = sum(p.numel() for p in model.parameters())
+    # FSDP2's root group: what no decoder layer holds (embedding, tied or own lm_head, final norm)
+    root = total - sum(p.numel() for layer in layers for p in layer.parameters())
+    return dict(total=total, layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers), lora=lora,
+                root=root)
 
 
 def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: bool) -> int:
@@ -83,29 +94,47 @@ def _vllm_runtime_bytes(c, cfg: RecipeConfig, world: int) -> float:
     return sampler + activations + (0 if cfg.vllm.enforce_eager else GIB)
 
 
+def _sync_copies_bytes(params: int, sharded: bool, gather_bytes: int, weight_bytes: int) -> int:
+    """One group's tensors in flight during a weight sync: FSDP2's all-gather and merged_lora_params' copies of it
+    (sharded only: unsharded, the tensors it yields are views), and the layer vLLM's reload rebuilds before copying
+    it into the engine's weights (vllm/model_executor/model_loader/reload/layerwise.py: materialize_layer)."""
+    return params * ((gather_bytes + weight_bytes if sharded else 0) + weight_bytes)
+
+
 def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool | None = None,
-                compute_dtype: str | None = None) -> dict:
-    """Bytes per device of each term and each phase (see the module docstring)."""
+                compute_dtype: str | None = None, sharded: bool | None = None) -> dict:
+    """Bytes per device of each term and each phase (see the module docstring).
+
+    ``sharded``: whether FSDP2 shards the policy (default: world > 1, as the recipe does).
+    """
     checkpointing = cfg.gradient_checkpointing if checkpointing is None else checkpointing
+    sharded = world > 1 if sharded is None else sharded
     counts = _parameter_counts(model_config, cfg.lora.target_modules, cfg.lora.r)
     weight_bytes = _BYTES[cfg.model.dtype]
     compute_bytes = _BYTES[compute_dtype or cfg.model.dtype]
     terms = {
         "policy shard": counts["total"] * weight_bytes / world,
-        "unsharded layers": 2 * counts["layer"] * compute_bytes if world > 1 else 0,
+        "unsharded layers": 2 * counts["layer"] * compute_bytes if sharded else 0,
+        # FSDP2's root group stays unsharded through the model's forward and its backward, every layer's included
+        "unsharded root": counts["root"] * compute_bytes if sharded else 0,
         "LoRA + AdamW": 16 * counts["lora"] / world,
         "vLLM weights": counts["total"] * weight_bytes,
         "KV cache": cfg.vllm.kv_cache_gb * GIB,
         "vLLM runtime": _vllm_runtime_bytes(model_config, cfg, world),
+        # the largest group's (the root's) all-gather, its copies and vLLM's rebuilt layer, during a sync
+        "sync copies": max(_sync_copies_bytes(counts[group], sharded, compute_bytes, weight_bytes)
+                           for group in ("root", "layer")),
+        # vLLM 0.32's sleep keeps CUDA graphs on the GPU (sleep_mode_offload_cudagraph=False): the runtime's margin
+        "vLLM CUDA graphs": GIB if cfg.vllm.enable_sleep_mode and not cfg.vllm.enforce_eager else 0,
         "activations": _activation_bytes(model_config, cfg, compute_bytes, checkpointing),
     }
     trainer = terms["policy shard"] + terms["LoRA + AdamW"]
     engine = terms["vLLM weights"] + terms["KV cache"] + terms["vLLM runtime"]
     phases = {
-        "sync": trainer + terms["vLLM weights"] + terms["unsharded layers"],
+        "sync": trainer + terms["vLLM weights"] + terms["sync copies"],
         "rollout": trainer + engine,
-        "update": trainer + terms["unsharded layers"] + terms["activations"]
-        + (0 if cfg.vllm.enable_sleep_mode else engine),
+        "update": trainer + terms["unsharded layers"] + terms["unsharded root"] + terms["activations"]
+        + (terms["vLLM CUDA graphs"] if cfg.vllm.enable_sleep_mode else engine),
     }
     return dict(terms=terms, phases=phases, parameters=counts)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +97,61 @@ def fsdp_settings(env=os.environ) -> FSDPSettings:
                         mixed_precision=precision)
 
 
+# The oldest NVIDIA driver (Linux) that runs a CUDA build of each major version: NVIDIA's CUDA Toolkit release notes,
+# "CUDA Toolkit and Minimum Required Driver Version for CUDA Minor Version Compatibility". torch 2.13.0 and vLLM
+# 0.32.0 from PyPI are CUDA 13 builds.
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+
+
+def nvidia_driver_versions() -> list[str]:
+    """The driver version `nvidia-smi` reports for each NVIDIA GPU of this machine; [] without nvidia-smi or GPUs."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".") if part.isdigit())
+
+
+def check_cuda_usable(env=os.environ) -> None:
+    """Stop when this machine has NVIDIA GPUs that the installed CUDA build of torch cannot use.
+
+    Without this, every rank of such a machine (typically: a driver older than the build's CUDA needs) would go on
+    with gloo on the CPU, each loading the whole model. A CPU build of torch, a machine without NVIDIA GPUs, and GPUs
+    hidden on purpose (CUDA_VISIBLE_DEVICES='' or accelerate's use_cpu) run on the CPU as before.
+    """
+    if torch.cuda.is_available() or torch.version.cuda is None:
+        return
+    hidden = env.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+    if hidden or env.get("ACCELERATE_USE_CPU", "").lower() == "true":
+        return
+    drivers = nvidia_driver_versions()
+    if not drivers:
+        return
+    cuda, found = torch.version.cuda, drivers[0]
+    need = MIN_DRIVER.get(int(cuda.split(".")[0]))
+    if need and _version(found) < _version(need):
+        why = f"NVIDIA driver {found} is older than CUDA {cuda} needs (>= {need})"
+    else:
+        why = (f"torch.cuda.is_available() is false with NVIDIA driver {found} (check CUDA_VISIBLE_DEVICES and the "
+               "container's GPU access)")
+    raise ConfigError(f"this machine has {len(drivers)} NVIDIA GPU(s) that torch {torch.__version__} "
+                      f"(torch.version.cuda={cuda}) cannot use: {why}. Check with `nvidia-smi` (the driver version, "
+                      "and top right the newest CUDA it runs); update the driver, or install torch and vLLM builds "
+                      "for that CUDA. To run on the CPU instead, set CUDA_VISIBLE_DEVICES=''")
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the processes the launcher started; returns (rank, world size, this rank's device)."""
+    """Join the processes the launcher started; returns (rank, world size, this rank's device).
+
+    GPU when torch can use one; stops (`check_cuda_usable`) when NVIDIA GPUs are there but torch cannot use them.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_cuda_usable()
     cuda = torch.cuda.is_available()
     if world > 1:
         local_rank = int(os.environ["LOCAL_RANK"])

@@ -24,7 +24,9 @@ import math
 import os
 from dataclasses import dataclass
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in the trainer's process
+# The engine lives in the trainer's process whatever the environment says: with 1, vLLM would run it in a
+# subprocess, out of reach of the weight push and of `in_process_model` (see `in_process_vllm`).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch
 
@@ -200,6 +202,20 @@ def engine_kwargs(model: str, *, dtype: str, max_model_len: int, kv_cache_gb: fl
     return kwargs
 
 
+def in_process_vllm() -> None:
+    """Make the next ``vllm.LLM`` run its engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), or refuse.
+
+    Set again before each engine: code run since the import may have changed the variable. vLLM caches its
+    environment once an engine has started (``vllm.envs.enable_envs_cache``); a cached 1 cannot be undone.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm.envs
+
+    if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        raise ConfigError("VLLM_ENABLE_V1_MULTIPROCESSING=1 is cached by an engine this process started earlier: "
+                          "the rollout engine must run in the trainer's process; unset the variable and start again")
+
+
 class RolloutEngine:
     """A vLLM ``LLM`` built for rollouts: it serves the policy merged (``merge=True``) or as a LoRA adapter.
 
@@ -218,6 +234,7 @@ class RolloutEngine:
         from vllm import LLM
 
         kwargs = engine_kwargs(model, **kwargs)
+        in_process_vllm()
         self.merge = merge
         self.dtype = getattr(torch, kwargs["dtype"])
         self.llm = LLM(**kwargs)

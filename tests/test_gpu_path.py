@@ -313,3 +313,112 @@ def test_fsdp_keys_the_recipe_would_not_carry_out_are_refused_by_name(variable, 
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", variable: value}
     with pytest.raises(ConfigError, match=f"accelerate config {key}='{value}' is not supported"):
         fsdp_settings(env)
+
+
+# ----------------------------------------------------------------------------- what the plan had left out
+def test_the_plan_counts_fsdp2s_root_the_syncs_copies_and_sleeping_cuda_graphs():
+    """At Qwen3-4B's shape in bf16: the root group (embedding = tied lm_head, final norm) is unsharded during
+    every layer's forward and backward; a sync holds the root's all-gather, its copy and vLLM's rebuilt embedding;
+    vLLM's CUDA graphs stay on the GPU while it sleeps. The 24 GB and 80 GB configs still fit."""
+    cfg = load_config(QWEN_CONFIG)
+    c = qwen3_4b_config()
+    root = c.vocab_size * c.hidden_size + c.hidden_size  # embed_tokens (lm_head tied to it) + the final norm
+    one, eight = memory_plan(c, cfg, world=1), memory_plan(c, cfg, world=8)
+    assert eight["parameters"]["root"] == root and 0.72 * GIB < root * 2 < 0.73 * GIB
+    assert eight["terms"]["unsharded root"] == root * 2 and one["terms"]["unsharded root"] == 0
+    assert eight["terms"]["sync copies"] == root * (2 + 2 + 2)  # all-gather + the yielded copy + vLLM's rebuild
+    assert one["terms"]["sync copies"] == root * 2  # unsharded: views are yielded, vLLM still rebuilds
+    assert one["terms"]["vLLM CUDA graphs"] == GIB  # sleep mode on, enforce_eager false
+    terms = eight["terms"]
+    assert eight["phases"]["update"] == (terms["policy shard"] + terms["LoRA + AdamW"] + terms["unsharded layers"]
+                                         + terms["unsharded root"] + terms["activations"] + GIB)
+    assert eight["phases"]["sync"] == (terms["policy shard"] + terms["LoRA + AdamW"] + terms["vLLM weights"]
+                                       + terms["sync copies"])
+    eager = memory_plan(c, load_config(QWEN_CONFIG, ["vllm.enforce_eager=true"]), world=8)
+    assert eager["terms"]["vLLM CUDA graphs"] == 0 and eager["phases"]["update"] == eight["phases"]["update"] - GIB
+    assert check_fits(one, 80 * GIB, cfg) is None and check_fits(eight, 80 * GIB, cfg) is None
+    small = load_config(ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k_24gb.yaml")
+    assert check_fits(memory_plan(c, small, world=1), 24e9, small) is None
+    # FSDP2 at one process (recipes/gpu_check.py) unshards as at eight
+    assert memory_plan(c, cfg, world=1, sharded=True)["terms"]["unsharded root"] == root * 2
+
+
+# ----------------------------------------------------------------------------- NVIDIA GPUs torch cannot use
+def fake_nvidia_smi(tmp_path, monkeypatch, driver: str | None):
+    """An nvidia-smi on PATH that lists two GPUs with ``driver`` (None: no nvidia-smi at all)."""
+    import grpo.parallel as parallel
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if driver is not None:
+        script = bin_dir / "nvidia-smi"
+        script.write_text(f"#!/bin/sh\necho {driver}\necho {driver}\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("CUDA_VISIBLE_DEVICES", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    return parallel
+
+
+def test_gpus_that_a_cuda_13_torch_cannot_use_stop_the_run_in_one_line(tmp_path, monkeypatch):
+    parallel = fake_nvidia_smi(tmp_path, monkeypatch, "550.54.15")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert parallel.nvidia_driver_versions() == ["550.54.15", "550.54.15"]
+    with pytest.raises(ConfigError) as err:
+        parallel.init_distributed()
+    message = str(err.value)
+    assert "\n" not in message and "2 NVIDIA GPU(s)" in message and "torch.version.cuda=13.0" in message
+    assert "driver 550.54.15 is older than CUDA 13.0 needs (>= 580.65.06)" in message and "`nvidia-smi`" in message
+    # the same driver with a CUDA 12 build would do: then something else hides the GPUs, and the message says so
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(ConfigError, match="torch.cuda.is_available\\(\\) is false with NVIDIA driver 550.54.15"):
+        parallel.check_cuda_usable()
+    # GPUs hidden on purpose: the CPU, as asked
+    parallel.check_cuda_usable({"CUDA_VISIBLE_DEVICES": ""})
+    parallel.check_cuda_usable({"ACCELERATE_USE_CPU": "True"})
+
+
+@pytest.mark.parametrize("cuda, driver", [(None, "550.54.15"), ("13.0", None)], ids=["cpu_build", "no_gpus"])
+def test_a_machine_without_usable_gpus_by_design_runs_on_cpu(tmp_path, monkeypatch, cuda, driver):
+    parallel = fake_nvidia_smi(tmp_path, monkeypatch, driver)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert parallel.init_distributed() == (0, 1, torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- the engine in this process
+def test_the_engine_is_in_process_whatever_the_environment_says(monkeypatch):
+    import os
+
+    import vllm
+    import vllm.envs
+
+    seen = []
+
+    class EnvironmentLLM(RecordingLLM):
+        def __init__(self, **kwargs):
+            seen.append((os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"], vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING))
+
+    monkeypatch.setattr(vllm, "LLM", EnvironmentLLM)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # exported by the user after the import
+    cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
+    RolloutEngine("m", **engine_args(cfg, "cuda"))
+    assert seen == [("0", False)]
+    # vLLM caches its environment once an engine started: a cached 1 is refused by name
+    monkeypatch.setattr(vllm.envs, "VLLM_ENABLE_V1_MULTIPROCESSING", True, raising=False)
+    with pytest.raises(ConfigError, match="^VLLM_ENABLE_V1_MULTIPROCESSING=1 is cached"):
+        RolloutEngine("m", **engine_args(cfg, "cuda"))
+
+
+def test_flash_attention_2_without_flash_attn_is_refused_at_config_time(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else
+                        find_spec(name, *a))
+    with pytest.raises(ConfigError, match="model.attn_implementation='flash_attention_2' needs the flash-attn"):
+        load_config(QWEN_CONFIG, ["model.attn_implementation=flash_attention_2"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else
+                        find_spec(name, *a))
+    assert load_config(QWEN_CONFIG, ["model.attn_implementation=flash_attention_2"]).model.attn_implementation

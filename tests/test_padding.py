@@ -6,6 +6,8 @@ token after packed position k, so response token j of sample i is read at packed
 start_i + prompt_len_i + j - 1.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -441,8 +443,10 @@ def test_packed_sample_bounds_follow_transformers_rule():
     for sample, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         assert (sample_of_token[start:end] == sample).all()
     assert packed_attention.packed_sample_bounds(torch.arange(6)[None], 6) is None  # one sample
-    assert packed_attention.packed_sample_bounds(torch.tensor([[1, 1, 0, 1]]), 4) is None  # left-padded positions
-    assert packed_attention.packed_sample_bounds(torch.tensor([[0, 1, 1, 1, 1]]), 5) is None  # right-padded ones
+    assert packed_attention.packed_sample_bounds(torch.arange(3, 9)[None], 6) is None  # one sample, offset
+    # transformers splits any restart, wherever it restarts (padded rows come with a mask: see the test above)
+    assert packed_attention.packed_sample_bounds(torch.tensor([[1, 1, 0, 1]]), 4) == [0, 1, 2, 4]
+    assert packed_attention.packed_sample_bounds(torch.tensor([[4, 5, 2, 3]]), 4) == [0, 2, 4]
     assert packed_attention.packed_sample_bounds(torch.tensor([[5]]), 1) is None  # a decoding step
     assert packed_attention.packed_sample_bounds(None, 4) is None
 
@@ -872,7 +876,150 @@ def test_packed_sdpa_reads_the_sample_bounds_once_per_forward(monkeypatch):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=12))
-def test_packed_sample_bounds_equal_the_device_rule(positions):
+def test_packed_sample_bounds_equal_transformers_packed_sequences(positions):
+    from transformers.masking_utils import find_packed_sequence_indices
+
     position_ids = torch.tensor([positions])
     got = packed_attention.packed_sample_bounds(position_ids, len(positions))
-    assert got == bounds_read_every_time(position_ids, len(positions))
+    sample_of_token = find_packed_sequence_indices(position_ids)
+    if sample_of_token is None or len(positions) < 2:
+        assert got is None
+    else:
+        assert got == [0, *(torch.diff(sample_of_token[0]).nonzero().flatten() + 1).tolist(), len(positions)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. packed_sdpa: no T x T mask; on CUDA one variable-length FlashAttention call per layer
+# ----------------------------------------------------------------------------------------------------------
+
+
+def per_sample_attention_with_mask(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """packed_sdpa as it was before: transformers' T x T mask built (and ignored), one sdpa call per sample."""
+    bounds = packed_attention.packed_sample_bounds(kwargs.get("position_ids"), query.shape[2])
+    assert bounds is not None and attention_mask is not None and attention_mask.shape[-2:] == (query.shape[2],) * 2
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
+    outputs = [packed_attention.sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                                       None, dropout=dropout, scaling=scaling, is_causal=True,
+                                                       **kwargs)[0]
+               for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outputs, dim=1), None
+
+
+def count_mask_builds(monkeypatch):
+    """Counts the [B, 1, q, kv] masks transformers' sdpa_mask materialises (its two expansion paths)."""
+    import transformers.masking_utils as masking_utils
+
+    built = []
+    for name in ("_non_vmap_expansion_sdpa", "_vmap_expansion_sdpa"):
+        original = getattr(masking_utils, name)
+
+        def counted(*args, _original=original, **kwargs):
+            built.append(1)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(masking_utils, name, counted)
+    return built
+
+
+def loss_and_lora_like_grads(model, ids, mask, response_mask):
+    loss = -(packed_log_probs(model, ids, mask, response_mask, temperature=0.7) * response_mask).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_packed_sdpa_builds_no_mask_for_packed_rows_and_is_bitwise_as_before(monkeypatch):
+    """A packed row's forward and backward build no T x T mask; log-probs, loss and every gradient are bitwise
+    those of the per-sample path that still had transformers build the mask (registered under another name)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "packed_sdpa_before", per_sample_attention_with_mask)
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "packed_sdpa_before", sdpa_mask)
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=4)
+    built = count_mask_builds(monkeypatch)
+    before = loss_and_lora_like_grads(tiny_qwen3("packed_sdpa_before"), ids, mask, response_mask)
+    assert len(built) == 1  # the counter sees transformers' mask: one per forward
+    built.clear()
+    loss, grads = loss_and_lora_like_grads(tiny_qwen3("packed_sdpa"), ids, mask, response_mask)
+    assert built == []
+    assert torch.equal(loss, before[0])
+    assert grads.keys() == before[1].keys() and all(torch.equal(g, before[1][n]) for n, g in grads.items())
+    # a padded batch still gets its mask (and sdpa): the packed-row skip is that exact case only
+    with torch.no_grad():
+        tiny_qwen3("packed_sdpa")(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert len(built) == 1
+
+
+def test_the_mask_is_skipped_only_for_transformers_packed_row_predicate():
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
+
+    packed = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 4, dtype=torch.long)))
+    assert packed_attention.causal_within_packed_samples(packed)
+    assert packed_attention.packed_sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=packed,
+                                             allow_is_causal_skip=False) is None
+    padded = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)  # with a 2-D mask: built as sdpa builds it
+    assert packed_attention.packed_sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=packed,
+                                             attention_mask=padded, allow_is_causal_skip=False).shape == (1, 1, 4, 4)
+    extra = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 4)), causal_mask_function)
+    for other in (causal_mask_function, extra, and_masks(causal_mask_function)):
+        assert not packed_attention.causal_within_packed_samples(other)
+
+
+def fake_varlen_attn(calls):
+    """torch.nn.attention.varlen.varlen_attn's contract (its docstring and FlashAttention's), run on the CPU:
+    [T, H, D] rows, int32 cumulative bounds on the row's device, causal as window_size=(-1, 0), GQA by flag."""
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):
+        assert query.dim() == 3 and key.shape[0] == query.shape[0] and query.is_contiguous() and key.is_contiguous()
+        assert cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32 and cu_seq_q.device == query.device
+        bounds = cu_seq_q.tolist()
+        assert bounds[0] == 0 and bounds[-1] == query.shape[0]
+        assert max_q == max_k == max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+        assert window_size == (-1, 0) and enable_gqa == (query.shape[1] != key.shape[1]) and scale is not None
+        calls.append(len(bounds) - 1)
+        outputs = [torch.nn.functional.scaled_dot_product_attention(
+            query[s:e].transpose(0, 1), key[s:e].transpose(0, 1), value[s:e].transpose(0, 1), is_causal=True,
+            scale=scale, enable_gqa=enable_gqa).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outputs)
+
+    return varlen_attn
+
+
+def test_packed_sdpa_on_cuda_makes_one_varlen_call_per_layer(monkeypatch):
+    """The CUDA branch, run on the CPU against varlen_attn's contract (torch has no CPU kernel for it): one call
+    per layer over the whole row; log-probs and gradients as the per-sample path's."""
+    ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=4)
+    want = loss_and_lora_like_grads(tiny_qwen3("packed_sdpa"), ids, mask, response_mask)
+    calls = []
+    monkeypatch.setattr(packed_attention, "varlen_attn", fake_varlen_attn(calls))
+    monkeypatch.setattr(packed_attention, "varlen_usable", lambda query, key, dropout: True)
+    sdpa_calls = spy_on_sdpa(monkeypatch)
+    model = tiny_qwen3("packed_sdpa")
+    loss, grads = loss_and_lora_like_grads(model, ids, mask, response_mask)
+    samples = sum(1 for p, r in zip(MODEL_PROMPTS, MODEL_RESPONSES) if p + r)
+    assert calls == [samples] * model.config.num_hidden_layers and sdpa_calls == []
+    torch.testing.assert_close(loss, want[0], rtol=1e-6, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[1][name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_varlen_is_chosen_only_where_torchs_kernel_runs(monkeypatch):
+    def tensors(device_type, dtype, head_dim=128):  # what varlen_usable reads of the query and the key
+        query = SimpleNamespace(is_cuda=device_type == "cuda", shape=(1, 4, 8, head_dim), dtype=dtype, device="cuda:0")
+        return query, SimpleNamespace(dtype=dtype)
+
+    monkeypatch.setattr(packed_attention, "_flash_capable", lambda device: True)
+    for device_type, dtype, head_dim, dropout, want in [
+        ("cuda", torch.bfloat16, 128, 0.0, True), ("cuda", torch.float16, 256, 0.0, True),
+        ("cuda", torch.float32, 128, 0.0, False), ("cpu", torch.bfloat16, 128, 0.0, False),
+        ("cuda", torch.bfloat16, 512, 0.0, False), ("cuda", torch.bfloat16, 128, 0.1, False),
+    ]:
+        query, key = tensors(device_type, dtype, head_dim)
+        assert packed_attention.varlen_usable(query, key, dropout) is want, (device_type, dtype, head_dim, dropout)
+    query, key = tensors("cuda", torch.bfloat16)
+    monkeypatch.setattr(packed_attention, "VARLEN_ON_CUDA", False)  # gpu_check's per-sample comparison
+    assert not packed_attention.varlen_usable(query, key, 0.0)
+    monkeypatch.setattr(packed_attention, "VARLEN_ON_CUDA", True)
+    monkeypatch.setattr(packed_attention, "_flash_capable", lambda device: False)  # pre-Ampere
+    assert not packed_attention.varlen_usable(query, key, 0.0)
