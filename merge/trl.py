@@ -50,7 +50,8 @@ from packaging.version import Version
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from merge import _check_supported, decoder_layers, merged_lora_params
+from merge.layers import check_supported, decoder_layers
+from merge.merged_params import merged_lora_params
 from merge.vllm_compat import reload_vllm_weights
 
 __all__ = ["SUPPORTED_TRL", "UnsupportedTRLVersionError", "check_trl_version", "use_merged_lora_sync",
@@ -185,7 +186,7 @@ def install_merged_lora_sync(generation, dtype: torch.dtype | None = None) -> Me
         raise TypeError(f"expected trl's VLLMGeneration, got {type(generation).__name__}")
     if isinstance(generation.sync_weights, MergedLoraSync):
         return generation.sync_weights
-    _check_supported(generation.model)  # fail now, not at the first rollout
+    check_supported(generation.model)  # fail now, not at the first rollout
     _check_fsdp2_layout(generation.model)
     generation.sync_weights = MergedLoraSync(generation, dtype)
     return generation.sync_weights
