@@ -267,8 +267,6 @@ class RecipeConfig:
                                   f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)")
 
 
-
-
 def _leaves(config, prefix: str = ""):
     """``(dotted key, value, metadata)`` of every field, the sections' fields included."""
     for f in dataclasses.fields(config):

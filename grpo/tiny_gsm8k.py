@@ -136,7 +136,7 @@ def measure_accuracy(model, tokenizer, problems: list[dict], greedy: bool, seed:
     return sum(gsm8k_exact_answer_reward(texts, [p["answer"] for p in problems])) / len(problems)
 
 
-def _new_model(size: str, **config):
+def new_model(size: str, **config):
     """A freshly initialised model of ``size`` with the shared ``config`` fields: Qwen3, or Qwen3-MoE for MOE_SIZES."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -173,7 +173,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     vocab = (len(tokenizer) + 63) // 64 * 64
-    model = _new_model(size, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
+    model = new_model(size, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)

@@ -15,8 +15,8 @@ sequence whose ``position_ids`` restart at 0 for every sample (``cu_seqlens`` ma
 The forward's output ``values[k]`` scores the token *after* packed position ``k``. So the log-prob of
 response token ``j`` of sample ``i`` sits at packed index ``start_i + prompt_len_i + j - 1``. The same
 function, :func:`no_padding_2_padding`, maps old, reference and current log-probs back to ``[B, R]``;
-using different rules for them is what made the PPO ratio read ~451,728 instead of ~1.0
-(see :func:`legacy_slice_response`).
+using different rules for them makes the PPO ratio explode (see :func:`legacy_slice_response`; verl's report of
+the same bug reads a ratio of ~451,728 instead of ~1.0: https://github.com/volcengine/verl/pull/5115).
 """
 
 from __future__ import annotations
