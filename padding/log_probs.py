@@ -172,8 +172,8 @@ def packed_log_probs(
     18.3-19.2 / 15.4-21.5 / 14.8-20.3 s with a peak RSS of 148 / 297 / 594 / 1187 / 2374 MiB (2.3 MiB per row);
     the full logits (``chunk_size=None``) took 18.9-28.2 s and 4154 MiB. 512 rows keep a chunk's logits at 0.16 GB
     in bf16 (0.3 GB in fp32, ~1.2 GB live at the backward's peak) and its matmul ([512, H] x [H, V]: 0.4 TFLOP at
-    H = 2560) large enough to fill a GPU. ``chunk_size=None`` runs the full-logits computation (every packed position, one
-    ``[T, V]`` tensor); so does a model without ``get_output_embeddings``.
+    H = 2560) large enough to fill a GPU. ``chunk_size=None`` runs the full-logits computation (every packed
+    position, one ``[T, V]`` tensor); so does a model without ``get_output_embeddings``.
     """
     response_layout(attention_mask, response_mask)  # fail before the forward on a bad layout
     if chunk_size is not None and chunk_size < 1:

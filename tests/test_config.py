@@ -123,7 +123,8 @@ def dotted_fields(cls, prefix: str = "") -> set[str]:
 def test_every_field_is_declared_with_its_help():
     sections = [RecipeConfig, *(typing.get_type_hints(RecipeConfig)[name] for name in
                                 ("model", "data", "lora", "vllm", "padding"))]
-    missing = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls) if not f.metadata.get("help")]
+    missing = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls)
+               if not f.metadata.get("help")]
     assert not missing, missing
 
 
