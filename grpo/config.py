@@ -1,8 +1,10 @@
 """Recipe configuration: YAML file + dotted command-line overrides -> typed, validated dataclasses.
 
 Top-level GRPO fields carry TRL's ``GRPOConfig`` names (a test checks every one of them exists there);
-``lora:`` carries peft's ``LoraConfig`` names plus ``merge``. Unknown keys and ill-typed values fail
-before any work starts, with a message naming the key, the value and what is allowed.
+``lora:`` carries peft's ``LoraConfig`` names plus ``merge``. Each field is declared once, TRL-style, with its
+help and its rule in ``field(metadata=...)``: ``range`` (``">= 1"``, ``"in (0, 1]"``, ...; for a text or a list,
+what it must hold: any non-empty value, or what ``check`` accepts) or ``choices``. Unknown keys and ill-typed or
+out-of-range values fail before any work starts, with a message naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from grpo.loss import SUPPORTED_VALUES
 from grpo.loss import check_supported as check_supported_loss
 
 
@@ -34,138 +38,198 @@ MAX_LOGPROB_DIFF = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 ALIASES = {"resume_from": "resume_from_checkpoint"}  # short names accepted in overrides
 
 
+def setting(default, help: str, **rule):
+    """A config field: its default, its help and its rule (``range``, ``choices``, ``check``), declared together."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=dict(help=help, **rule))
+    return field(default=default, metadata=dict(help=help, **rule))
+
+
+def section(cls, help: str):
+    return field(default_factory=cls, metadata=dict(help=help))
+
+
 @dataclass
 class ModelSettings:
-    name_or_path: str = "Qwen/Qwen3-4B"
-    # trainer compute and vLLM dtype: float32 | bfloat16 | float16 (fp16: dynamic loss scaling, grpo/loss_scaling.py);
-    # the LoRA weights and the optimizer stay fp32 in every case
-    dtype: str = "bfloat16"
-    # packed_sdpa (padding/packed_attention.py): each packed sample attends within itself; sdpa/eager spend T^2 on a
-    # block-diagonal mask instead (the update phase takes 1.6x as long on the embedded default: results/attention.json)
-    attn_implementation: str = "packed_sdpa"
-    build_tiny: str | None = None  # "tiny" | "small": build the embedded default into name_or_path if absent
-    build_seed: int = 0
+    name_or_path: str = setting("Qwen/Qwen3-4B", "hub id or local path of the base model",
+                                range="a hub id or a local path")
+    dtype: str = setting("bfloat16", "trainer compute and vLLM dtype (float16: dynamic loss scaling, "
+                         "grpo/loss_scaling.py); the LoRA weights and the optimizer stay fp32 in every case",
+                         choices=("float32", "bfloat16", "float16"))
+    attn_implementation: str = setting(
+        "packed_sdpa", "packed_sdpa (padding/packed_attention.py): each packed sample attends within itself; "
+        "sdpa/eager spend T^2 on a block-diagonal mask instead (the update phase takes 1.6x as long on the embedded "
+        "default: results/attention.json)", choices=("packed_sdpa", "sdpa", "eager", "flash_attention_2"))
+    build_tiny: str | None = setting(None, "build the embedded default of this size into name_or_path if absent",
+                                     choices=("tiny", "small", "tiny-moe"))
+    build_seed: int = setting(0, "seed of the embedded default's build", range=">= 0")
 
 
 @dataclass
 class DataSettings:
-    name: str = "openai/gsm8k"  # hub id or local path, or "generated" for the embedded GSM8K-style problems
-    config_name: str | None = "main"
-    split: str = "train"
-    num_generated: int = 4096  # problems made when name == "generated"
-    prompt_template: str = "{question}"
-    system_prompt: str | None = None
-    use_chat_template: bool = True
-    max_prompt_length: int = 256  # tokens; longer prompts are dropped with a counted warning
-    eval_split: str | None = "test"  # held-out split for eval_steps ("generated": other problems than training's)
-    num_eval: int = 256  # held-out problems per evaluation (at most)
+    name: str = setting("openai/gsm8k", "hub id or local path, or 'generated' for the embedded GSM8K-style problems",
+                        range="a hub id, a local path or 'generated'")
+    config_name: str | None = setting("main", "the dataset's config name", range="a dataset config name or null")
+    split: str = setting("train", "the training split", range="a split name")
+    num_generated: int = setting(4096, "problems made when name == 'generated'", range=">= 1")
+    prompt_template: str = setting("{question}", "the prompt, formatted from the row's columns",
+                                   range="a non-empty format string, e.g. '{question}'")
+    system_prompt: str | None = setting(None, "a system message before the prompt (chat template only)",
+                                        range="a non-empty text or null")
+    use_chat_template: bool = setting(True, "format prompts with the tokenizer's chat template")
+    max_prompt_length: int = setting(256, "tokens; longer prompts are dropped with a counted warning", range=">= 1")
+    eval_split: str | None = setting("test", "held-out split for eval_steps ('generated': other problems than "
+                                     "training's)", range="a split name or null")
+    num_eval: int = setting(256, "held-out problems per evaluation (at most)", range=">= 1")
 
 
 @dataclass
 class LoraSettings:
     """peft ``LoraConfig`` names, plus ``merge`` (True: vLLM serves merged weights; False: a LoRARequest)."""
 
-    merge: bool = True
-    r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    bias: str = "none"
-    use_rslora: bool = False
-    use_dora: bool = False
-    modules_to_save: list[str] | None = None
-    init_lora_weights: bool = True
-    target_parameters: list[str] | None = None  # LoRA on parameters, e.g. fused MoE experts [mlp.experts.gate_up_proj]
+    merge: bool = setting(True, "vLLM serves the merged weights (false: the adapter, as a LoRARequest)")
+    r: int = setting(16, "LoRA rank", range=">= 1")
+    lora_alpha: int = setting(32, "LoRA scaling numerator (scaling = lora_alpha / r)", range="> 0")
+    lora_dropout: float = setting(0.0, "dropout on the LoRA input", range="in [0, 1)")
+    target_modules: list[str] = setting(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                        "modules that get LoRA", range="a non-empty list of module names")
+    bias: str = setting("none", "LoRA biases (merge/ merges none)", choices=("none",))
+    use_rslora: bool = setting(False, "rank-stabilized scaling lora_alpha / sqrt(r)")
+    use_dora: bool = setting(False, "DoRA; refused: merge/ and vLLM's LoRA serve plain LoRA only")
+    modules_to_save: list[str] | None = setting(None, "modules trained in full beside the adapter",
+                                                range="a non-empty list of module names or null")
+    init_lora_weights: bool = setting(True, "peft's initialisation (B = 0)")
+    target_parameters: list[str] | None = setting(None, "LoRA on parameters, e.g. fused MoE experts "
+                                                  "[mlp.experts.gate_up_proj]",
+                                                  range="a non-empty list of parameter names or null")
 
 
 @dataclass
 class VLLMSettings:
     """The colocated vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
 
-    kv_cache_gb: float = 2.0  # explicit KV-cache size (vLLM's own sizing fails on small CPU machines)
-    gpu_memory_utilization: float = 0.3  # GPU only: vLLM needs this share of the GPU free at start (TRL's default)
-    enable_sleep_mode: bool = False  # GPU only: release weights and KV cache while the trainer updates (as TRL)
-    enforce_eager: bool = True
-    # sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL sizes it)
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int = 4096  # tokens per engine step (TRL's value; at least max_model_len)
-    max_lora_rank: int | None = None  # merge=false: defaults to lora.r
-    # stop when the mean |vLLM - trainer| old log-prob exceeds this (a broken sync); null: the model.dtype's default
-    max_logprob_diff: float | None = None
-    verify_sync: bool = False  # hash the trainer's weights around every sync (metric sync_changed_trainer)
-    # merge=true below fp32: how much of the LoRA update survives the cast of the merged weights (sync_delta_* metrics)
-    sync_precision_stats: bool = True
-    sync: bool = True  # false only to prove that a skipped sync is detected
+    kv_cache_gb: float = setting(2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)",
+                                 range="> 0")
+    gpu_memory_utilization: float = setting(0.3, "GPU only: vLLM needs this share of the GPU free at start (TRL's "
+                                            "default)", range="in (0, 1]")
+    enable_sleep_mode: bool = setting(False, "GPU only: release weights and KV cache while the trainer updates "
+                                      "(as TRL)")
+    enforce_eager: bool = setting(True, "no CUDA graphs / compilation")
+    max_num_seqs: int | None = setting(None, "sequences one engine batches at once; null: what a rollout or an "
+                                       "evaluation gives one rank (as TRL sizes it)", range=">= 1")
+    max_num_batched_tokens: int = setting(4096, "tokens per engine step (TRL's value; at least max_model_len)",
+                                          range=">= 1")
+    max_lora_rank: int | None = setting(None, "merge=false: defaults to lora.r", choices=VLLM_LORA_RANKS)
+    max_logprob_diff: float | None = setting(None, "stop when the mean |vLLM - trainer| old log-prob exceeds this "
+                                             "(a broken sync); null: the model.dtype's default", range="> 0")
+    verify_sync: bool = setting(False, "hash the trainer's weights around every sync (metric sync_changed_trainer)")
+    sync_precision_stats: bool = setting(True, "merge=true below fp32: how much of the LoRA update survives the cast "
+                                         "of the merged weights (sync_delta_* metrics)")
+    sync: bool = setting(True, "false only to prove that a skipped sync is detected")
 
 
 @dataclass
 class PaddingSettings:
-    legacy_slice: bool = False  # reproduce the seed's bug (current log-probs sliced [:, -R-1:-1]); plots only
-    # LM-head rows per chunk when computing log-probs (padding.packed_log_probs): only the response positions are
-    # projected, chunk by chunk, recomputed in the backward; null: every position's full-vocabulary logits at once
-    logprob_chunk_size: int | None = 512
+    legacy_slice: bool = setting(False, "the wrong rule: current log-probs sliced [:, -R-1:-1] "
+                                 "(padding.legacy_slice_response); for the before/after plots only")
+    logprob_chunk_size: int | None = setting(
+        512, "LM-head rows per chunk when computing log-probs (padding.packed_log_probs): only the response "
+        "positions are projected, chunk by chunk, recomputed in the backward; null: every position's "
+        "full-vocabulary logits at once", range=">= 1 (or null: full logits)")
 
 
 @dataclass
 class RecipeConfig:
     # --- TRL GRPOConfig names ---
-    output_dir: str = "results"
-    run_name: str = "grpo"
-    seed: int = 42
-    max_steps: int = 100
-    learning_rate: float = 1e-5
-    lr_scheduler_type: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = True  # recompute each decoder layer's activations in the backward (TRL's default)
-    per_device_train_batch_size: int = 8  # completions per rank per optimizer step (one mini-batch)
-    steps_per_generation: int = 4  # mini-batches (optimizer steps) per rollout, per iteration
-    num_iterations: int = 1  # passes over each rollout
-    num_generations: int = 8  # completions per prompt (the group)
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    output_dir: str = setting("runs", "the run writes into <output_dir>/<run_name>/", range="a non-empty path")
+    run_name: str = setting("grpo", "the run's folder; a new run beside an earlier run's checkpoints goes to "
+                            "<run_name>-2, -3, ...", range="a non-empty name without '/'", check=lambda v: "/" not in v)
+    seed: int = setting(42, "seeds the adapter, the sampling and the data order", range=">= 0")
+    max_steps: int = setting(100, "optimizer steps, as in TRL", range=">= 1")
+    learning_rate: float = setting(1e-5, "AdamW learning rate", range="> 0")
+    lr_scheduler_type: str = setting("constant", "the learning-rate schedule",
+                                     choices=("constant", "linear", "cosine"))
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up", range=">= 0")
+    weight_decay: float = setting(0.0, "AdamW weight decay", range=">= 0")
+    adam_beta1: float = setting(0.9, "AdamW beta1", range="in [0, 1)")
+    adam_beta2: float = setting(0.999, "AdamW beta2", range="in [0, 1)")
+    max_grad_norm: float = setting(1.0, "gradient clipping norm", range="> 0")
+    gradient_checkpointing: bool = setting(True, "recompute each decoder layer's activations in the backward "
+                                           "(TRL's default)")
+    per_device_train_batch_size: int = setting(8, "completions per rank per optimizer step (one mini-batch)",
+                                               range=">= 1")
+    steps_per_generation: int = setting(4, "mini-batches (optimizer steps) per rollout, per iteration", range=">= 1")
+    num_iterations: int = setting(1, "passes over each rollout", range=">= 1")
+    num_generations: int = setting(8, "completions per prompt (the group)",
+                                   range=">= 2 (GRPO normalizes within a group)")
+    max_completion_length: int = setting(256, "tokens per completion", range=">= 1")
+    temperature: float = setting(1.0, "sampling temperature", range="> 0 (log-probs are of the tempered policy)")
+    top_p: float = setting(1.0, "nucleus sampling (the trainer's log-probs follow vLLM's truncated distribution)",
+                           range="in (0, 1]")
+    top_k: int = setting(0, "top-k sampling (0: off)", range=">= 0 (0: off)")
     # --- the loss (grpo/loss.py: TRL 1.16's GRPOTrainer._compute_loss, same names, defaults, meaning) ---
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo
-    importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: epsilon
-    delta: float | None = None  # two-sided clipping: the unclipped ratio is capped at delta (> 1 + epsilon_high)
-    beta: float = 0.0  # k3 KL to the reference (the base, adapter disabled); 0 = no reference forward
-    use_bias_correction_kl: bool = True  # the KL term times the policy ratio (TRL's default)
-    top_entropy_quantile: float = 1.0  # < 1: only this top fraction of tokens by entropy gets a policy gradient
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    # trainer-over-vLLM probability of the sampled tokens weighs the loss (corrects the engine/trainer mismatch)
-    vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = "sequence_mask"  # {token,sequence}_{truncate,mask}
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    vllm_importance_sampling_clip_min: float | None = None
-    scale_rewards: str = "group"  # group | batch | none
-    mask_truncated_completions: bool = False
-    save_steps: int = 50  # checkpoint when global_step passes a multiple of this (and at the end)
-    eval_steps: int | None = None  # evaluate on held-out problems before training, every N optimizer steps, at the end
-    report_to: list[str] = field(default_factory=lambda: ["none"])  # trackers: none | all | tensorboard | wandb | ...
-    save_total_limit: int | None = 2  # keep the newest N checkpoints (None: all)
-    resume_from_checkpoint: str | None = None  # a checkpoint-<N> folder, or "last" (alias: resume_from)
-    # GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: f(completions, **columns) -> list[float])
-    reward_funcs: list[str] = field(default_factory=lambda: ["grpo.tiny_gsm8k:gsm8k_exact_answer_reward"])
+    loss_type: str = setting("dapo", "the loss's normalisation and form (TRL's)", choices=SUPPORTED_VALUES["loss_type"])
+    importance_sampling_level: str = setting("token", "token, or sequence (GSPO)",
+                                             choices=SUPPORTED_VALUES["importance_sampling_level"])
+    epsilon: float = setting(0.2, "PPO clip range", range="in (0, 1)")
+    epsilon_high: float | None = setting(None, "upper clip range; null: epsilon", range="> 0")
+    delta: float | None = setting(None, "two-sided clipping: the unclipped ratio is capped at delta "
+                                  "(> 1 + epsilon_high)", range="> 0")
+    beta: float = setting(0.0, "k3 KL to the reference (the base, adapter disabled); 0 = no reference forward",
+                          range=">= 0")
+    use_bias_correction_kl: bool = setting(True, "the KL term times the policy ratio (TRL's default)")
+    top_entropy_quantile: float = setting(1.0, "< 1: only this top fraction of tokens by entropy gets a policy "
+                                          "gradient", range="in [0, 1]")
+    sapo_temperature_pos: float = setting(1.0, "SAPO's temperature for positive advantages", range="> 0")
+    sapo_temperature_neg: float = setting(1.05, "SAPO's temperature for negative advantages", range="> 0")
+    vllm_importance_sampling_correction: bool = setting(True, "trainer-over-vLLM probability of the sampled tokens "
+                                                        "weighs the loss (corrects the engine/trainer mismatch)")
+    vllm_importance_sampling_mode: str = setting("sequence_mask", "{token,sequence}_{truncate,mask}",
+                                                 choices=SUPPORTED_VALUES["vllm_importance_sampling_mode"])
+    vllm_importance_sampling_clip_max: float | None = setting(3.0, "upper bound of that ratio", range="> 0")
+    vllm_importance_sampling_clip_min: float | None = setting(None, "lower bound of that ratio", range=">= 0")
+    scale_rewards: str = setting("group", "divide advantages by the group's (or batch's) reward std",
+                                 choices=("group", "batch", "none"))
+    mask_truncated_completions: bool = setting(False, "completions cut by max_completion_length get no loss")
+    save_steps: int = setting(50, "checkpoint when global_step passes a multiple of this (and at the end)",
+                              range=">= 1")
+    eval_steps: int | None = setting(None, "evaluate on held-out problems before training, every N optimizer steps, "
+                                     "at the end", range=">= 1 or null (no evaluation)")
+    report_to: list[str] = setting(["none"], "trackers: none | all | tensorboard | wandb | ...",
+                                   range="a non-empty list (['none'] for no tracker)")
+    save_total_limit: int | None = setting(2, "keep the newest N checkpoints (null: all)",
+                                           range=">= 1 or null (keep all)")
+    resume_from_checkpoint: str | None = setting(None, "a checkpoint-<N> folder, or 'last' (alias: resume_from)",
+                                                 range="a checkpoint folder or 'last'")
+    reward_funcs: list[str] = setting(["grpo.rewards:gsm8k_exact_answer_reward"],
+                                      "GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: "
+                                      "f(completions, **columns) -> list[float]); see grpo/rewards.py",
+                                      range="a non-empty list of 'module:function'",
+                                      check=lambda v: all(":" in f for f in v))
     # --- sections ---
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: DataSettings = field(default_factory=DataSettings)
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    vllm: VLLMSettings = field(default_factory=VLLMSettings)
-    padding: PaddingSettings = field(default_factory=PaddingSettings)
+    model: ModelSettings = section(ModelSettings, "the base model")
+    data: DataSettings = section(DataSettings, "the prompts")
+    lora: LoraSettings = section(LoraSettings, "the adapter (peft LoraConfig names) and the merge mode")
+    vllm: VLLMSettings = section(VLLMSettings, "the colocated rollout engine")
+    padding: PaddingSettings = section(PaddingSettings, "the packed log-probs")
 
     @property
     def prompts_per_rank(self) -> int:
         return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+
+    def vllm_max_num_seqs(self, world: int) -> int:
+        """vllm.max_num_seqs, or the most sequences one rank's engine is given at once: a rollout's completions or
+        an evaluation's prompts.
+
+        TRL sizes its colocated engine the same way (per_device_train_batch_size x steps_per_generation) rather than
+        with vLLM's default (256 on CPU, 1024 on an H100), which sizes the sampler's buffers and CUDA graphs for
+        sequences that never come.
+        """
+        if self.vllm.max_num_seqs is not None:
+            return self.vllm.max_num_seqs
+        rollout = self.per_device_train_batch_size * self.steps_per_generation
+        evaluation = -(-self.data.num_eval // world) if self.eval_steps is not None else 0
+        return max(rollout, evaluation)
 
     def max_logprob_diff(self) -> float:
         """vllm.max_logprob_diff, or its default for model.dtype."""
@@ -174,14 +238,9 @@ class RecipeConfig:
         return MAX_LOGPROB_DIFF[self.model.dtype]
 
     def validate(self) -> None:
-        """Every field's range (`RANGES`, `CHOICES`), then the rules that tie fields together."""
-        for key, (check, allowed) in RANGES.items():
-            value = _get(self, key)
-            if value is not None and not check(value):
-                raise ConfigError(f"{key}={value!r} is out of range: it must be {allowed}")
-        for key, allowed in CHOICES.items():
-            if _get(self, key) not in allowed:
-                raise ConfigError(f"{key}={_get(self, key)!r} is not allowed; choose one of {list(allowed)}")
+        """Every field's rule (its ``range`` or ``choices``), then the rules that tie fields together."""
+        for key, value, meta in _leaves(self):
+            _check_rule(key, value, meta)
         rollout = self.per_device_train_batch_size * self.steps_per_generation
         if rollout % self.num_generations:
             raise ConfigError(
@@ -219,125 +278,58 @@ def check_attn_implementation(name: str) -> None:
                           "variable-length FlashAttention call per layer, from torch itself)")
 
 
-def _get(config, dotted: str):
-    for part in dotted.split("."):
-        config = getattr(config, part)
-    return config
+def _leaves(config, prefix: str = ""):
+    """``(dotted key, value, metadata)`` of every field, the sections' fields included."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value, f.metadata
 
 
-def _at_least(low):
-    return lambda v: v >= low
+_COMPARISON = re.compile(r"(>=|>) (\S+)")
+_INTERVAL = re.compile(r"in ([\[(])(\S+), (\S+?)([\])])")
 
 
-def _above(low):
-    return lambda v: v > low
+def _check_rule(key: str, value, meta) -> None:
+    """A field's ``choices`` or ``range`` (None passes where the type allows it: the type is checked at load)."""
+    if value is None:
+        return
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(meta['choices'])}")
+    rule = meta.get("range")
+    if rule is None:
+        return
+    if isinstance(value, (str, list)):  # a text or a list: non-empty, and what `check` accepts
+        ok = bool(value) and meta.get("check", bool)(value)
+    elif match := _COMPARISON.match(rule):
+        low = float(match[2])
+        ok = value >= low if match[1] == ">=" else value > low
+    else:
+        opening, low, high, closing = _INTERVAL.match(rule).groups()
+        ok = ((value >= float(low)) if opening == "[" else (value > float(low))) and \
+             ((value <= float(high)) if closing == "]" else (value < float(high)))
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is out of range: it must be {rule}")
 
 
-def _between(low, high):  # low <= v <= high
-    return lambda v: low <= v <= high
-
-
-# The range of every numeric or free-form field (None passes where the type allows it); bools and lists of names
-# are checked by type, the fields with a fixed set of values by CHOICES, the loss's by grpo_loss.check_supported.
-RANGES = {
-    "output_dir": (bool, "a non-empty path"),
-    "run_name": (lambda v: bool(v) and "/" not in v, "a non-empty name without '/'"),
-    "seed": (_at_least(0), ">= 0"),
-    "max_steps": (_at_least(1), ">= 1"),
-    "learning_rate": (_above(0), "> 0"),
-    "warmup_steps": (_at_least(0), ">= 0"),
-    "weight_decay": (_at_least(0), ">= 0"),
-    "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "max_grad_norm": (_above(0), "> 0"),
-    "per_device_train_batch_size": (_at_least(1), ">= 1"),
-    "steps_per_generation": (_at_least(1), ">= 1"),
-    "num_iterations": (_at_least(1), ">= 1"),
-    "num_generations": (_at_least(2), ">= 2 (GRPO normalizes within a group)"),
-    "max_completion_length": (_at_least(1), ">= 1"),
-    "temperature": (_above(0), "> 0 (log-probs are of the tempered policy)"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (_at_least(0), ">= 0 (0: off)"),
-    "epsilon": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "epsilon_high": (_above(0), "> 0"),
-    "delta": (_above(0), "> 0"),
-    "beta": (_at_least(0), ">= 0"),
-    "top_entropy_quantile": (_between(0, 1), "in [0, 1]"),
-    "sapo_temperature_pos": (_above(0), "> 0"),
-    "sapo_temperature_neg": (_above(0), "> 0"),
-    "vllm_importance_sampling_clip_max": (_above(0), "> 0"),
-    "vllm_importance_sampling_clip_min": (_at_least(0), ">= 0"),
-    "save_steps": (_at_least(1), ">= 1"),
-    "save_total_limit": (_at_least(1), ">= 1 or null (keep all)"),
-    "eval_steps": (_at_least(1), ">= 1 or null (no evaluation)"),
-    "resume_from_checkpoint": (bool, "a checkpoint folder or 'last'"),
-    "reward_funcs": (lambda v: bool(v) and all(":" in f for f in v), "a non-empty list of 'module:function'"),
-    "report_to": (bool, "a non-empty list (['none'] for no tracker)"),
-    "model.name_or_path": (bool, "a hub id or a local path"),
-    "model.build_seed": (_at_least(0), ">= 0"),
-    "data.name": (bool, "a hub id, a local path or 'generated'"),
-    "data.config_name": (bool, "a dataset config name or null"),
-    "data.split": (bool, "a split name"),
-    "data.num_generated": (_at_least(1), ">= 1"),
-    "data.prompt_template": (bool, "a non-empty format string, e.g. '{question}'"),
-    "data.system_prompt": (bool, "a non-empty text or null"),
-    "data.max_prompt_length": (_at_least(1), ">= 1"),
-    "data.eval_split": (bool, "a split name or null"),
-    "data.num_eval": (_at_least(1), ">= 1"),
-    "lora.r": (_at_least(1), ">= 1"),
-    "lora.lora_alpha": (_above(0), "> 0"),
-    "lora.lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "lora.target_modules": (bool, "a non-empty list of module names"),
-    "lora.modules_to_save": (bool, "a non-empty list of module names or null"),
-    "lora.target_parameters": (bool, "a non-empty list of parameter names or null"),
-    "vllm.kv_cache_gb": (_above(0), "> 0"),
-    "vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "vllm.max_num_seqs": (_at_least(1), ">= 1"),
-    "vllm.max_num_batched_tokens": (_at_least(1), ">= 1"),
-    "padding.logprob_chunk_size": (_at_least(1), ">= 1 (or null: full logits)"),
-    "vllm.max_lora_rank": (lambda v: v in VLLM_LORA_RANKS, f"one of vLLM's {list(VLLM_LORA_RANKS)}"),
-    "vllm.max_logprob_diff": (_above(0), "> 0"),
-}
-CHOICES = {
-    "lr_scheduler_type": ("constant", "linear", "cosine"),
-    "scale_rewards": ("group", "batch", "none"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.attn_implementation": ("packed_sdpa", "sdpa", "eager", "flash_attention_2"),
-    "model.build_tiny": (None, "tiny", "small", "tiny-moe"),
-    "lora.bias": ("none",),
-}
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
-def _coerce(value, tp, key: str):
-    """Check ``value`` against the annotation ``tp``; ints are accepted for floats. Returns the value."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            if option is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _coerce(value, option, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}={value!r} has the wrong type; expected {tp}")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}={value!r} must be a list of {_type_name(item_tp)}")
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:  # YAML 1.1 reads "1e-5" (no dot) as a string
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} must be a number") from None
+def _typed(value, tp, key: str):
+    """``value`` checked against a field's annotation (``X``, ``X | None``, ``list[X]``); an int is taken for a
+    float. Returns the value."""
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if value is None and type(None) in options:
+        return None
+    (tp,) = [t for t in options if t is not type(None)]
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{key}={value!r} must be a list of {item.__name__}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}={value!r} must be of type {_type_name(tp)}, got {type(value).__name__}")
+        raise ConfigError(f"{key}={value!r} must be of type {tp.__name__}, got {type(value).__name__}")
     return value
 
 
@@ -356,8 +348,16 @@ def _build(cls, data: dict, prefix: str = ""):
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{prefix}{key}.")
         else:
-            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+            kwargs[key] = _typed(value, tp, f"{prefix}{key}")
     return cls(**kwargs)
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: YAML 1.1 reads ``1e-5`` (no dot) as a string."""
+
+
+_YAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                  list("-+0123456789."))
 
 
 def _set_dotted(data: dict, dotted: str, value) -> None:
@@ -377,14 +377,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_YAMLLoader) or {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. lora.merge=false)")
         key = ALIASES.get(key.strip(), key.strip())
         try:
-            value = yaml.safe_load(raw)
+            value = yaml.load(raw, Loader=_YAMLLoader)
         except yaml.YAMLError:  # e.g. "Q: {question}": not YAML, but a fine string
             value = raw
         _set_dotted(data, key, value)

@@ -43,7 +43,6 @@ import argparse
 import torch
 
 from grpo.config import RecipeConfig, load_config
-from grpo.rollout_engine import rollout_max_num_seqs
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -86,7 +85,7 @@ def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: b
 
 def _vllm_runtime_bytes(c, cfg: RecipeConfig, world: int) -> float:
     """The sampler's buffers, one engine step's activations and the CUDA-graph margin (module docstring)."""
-    max_num_seqs = cfg.vllm.max_num_seqs or rollout_max_num_seqs(cfg, world)
+    max_num_seqs = cfg.vllm_max_num_seqs(world)
     sampler = 3 * max_num_seqs * c.vocab_size * 4
     intermediate = getattr(c, "intermediate_size", 4 * c.hidden_size)
     step = max(cfg.vllm.max_num_batched_tokens, cfg.data.max_prompt_length + cfg.max_completion_length)

@@ -1,19 +1,17 @@
 """The metrics of a rollout step: statistics reduced across ranks by name, one line of metrics.jsonl, the trackers.
 
-`log_metrics` reduces each named statistic with its own operation (sums, `*_min`, `*_max`; phase times are the
-slowest rank's), `step_metrics` turns the totals into the line the plots read, `write_metrics` appends it
-(rank 0) and hands it to the trackers (`report_to`).
+`reduce_statistics` reduces each named statistic with its own operation (sums, `*_min`, `*_max`; phase times are
+the slowest rank's), `step_metrics` turns the totals into the line the plots read, `write_metrics` appends it to
+the run folder's metrics.jsonl (rank 0) and hands it to the trackers (`report_to`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import resource
-import time
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -21,14 +19,9 @@ from torch.distributed.tensor import DTensor
 from grpo.loss import reduce_op
 from grpo.parallel import reduce_across_ranks
 
-if TYPE_CHECKING:
-    from grpo.run import Run
 
-log = logging.getLogger("grpo")
-
-
-def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, update_stats: dict, t_step: float) -> dict:
-    """6. Reduce this rollout step's statistics across ranks by name, append them to metrics.jsonl (rank 0)."""
+def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: torch.device) -> dict:
+    """This rank's statistics of a rollout step, reduced across ranks by name (a collective)."""
     mask = batch["response_mask"].bool()
     diff = (batch["vllm_logprobs"] - batch["old_logprobs"]).abs()[mask]
     local = dict(reward_sum=rewards.nansum().item(), reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
@@ -39,27 +32,18 @@ def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, updat
         # phase times: the slowest rank's; the merge's precision figures are the same on every rank
         op = "max" if name.endswith(("_s", "_max")) or name.startswith("sync_delta_") else reduce_op(name)
         kinds[op + "s"][name] = value
-    kinds["maxs"]["peak_mem_gb"] = peak_mem_gb(run.device)
-    total = reduce_across_ranks(**kinds)
-    metrics = step_metrics(run, rollout_step, total)
-    metrics["step_s"] = time.perf_counter() - t_step
-    write_metrics(run, metrics)
-    if run.rank == 0:
-        log.info("rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
-                 "|vllm-trainer| %.2e tok/s %.0f sync %.2fs", rollout_step, run.num_rollout_steps,
-                 metrics["global_step"], metrics["reward_mean"], metrics["ratio_mean"], metrics["ratio_min"],
-                 metrics["ratio_max"], metrics["ratio_onpolicy_maxdev"], metrics["rollout_logprob_diff_mean"],
-                 metrics["rollout_tokens_per_s"], metrics["sync_s"])
-    return metrics
+    kinds["maxs"]["peak_mem_gb"] = peak_mem_gb(device)
+    return reduce_across_ranks(**kinds)
 
 
-def step_metrics(run: Run, rollout_step: int, total: dict) -> dict:
+def step_metrics(total: dict, *, rollout_step: int, global_step: int, merge: bool, legacy_slice: bool,
+                 lr: float) -> dict:
     """The metrics.jsonl line of a rollout step, from its statistics summed (min-ed, max-ed) over ranks."""
     n, ratios = total["samples"], max(1.0, total["ratio_count"])
     reward_mean = total["reward_sum"] / n
     metrics = dict(
-        rollout_step=rollout_step, global_step=run.global_step(rollout_step), merge=run.cfg.lora.merge,
-        legacy_slice=run.cfg.padding.legacy_slice, reward_mean=reward_mean,
+        rollout_step=rollout_step, global_step=global_step, merge=merge, legacy_slice=legacy_slice,
+        reward_mean=reward_mean,
         reward_std=math.sqrt(max(0.0, total["reward_sq_sum"] / n - reward_mean**2)),
         ratio_mean=total["ratio_sum"] / ratios, ratio_min=total["ratio_min"], ratio_max=total["ratio_max"],
         ratio_onpolicy_mean=total["onpolicy_ratio_sum"] / max(1.0, total["onpolicy_ratio_count"]),
@@ -68,7 +52,7 @@ def step_metrics(run: Run, rollout_step: int, total: dict) -> dict:
         rollout_logprob_diff_max=total["logprob_diff_max"], rollout_tokens=int(total["rollout_tokens"]),
         rollout_s=total["rollout_s"], rollout_tokens_per_s=total["rollout_tokens"] / total["rollout_s"],
         sync_s=total["sync_s"], update_s=total["update_s"], peak_mem_gb=total["peak_mem_gb"],
-        loss=total["loss_sum"] / total["mini_batches"], lr=run.scheduler.get_last_lr()[0],
+        loss=total["loss_sum"] / total["mini_batches"], lr=lr,
     )
     if "clip_region" in total:
         metrics.update(clip_frac=total["clip_region"] / ratios, clip_low_frac=total["clip_low"] / ratios,
@@ -86,12 +70,12 @@ def step_metrics(run: Run, rollout_step: int, total: dict) -> dict:
     return metrics
 
 
-def write_metrics(run: Run, metrics: dict) -> None:
-    """Append one line to metrics.jsonl (the plots' source of truth) and hand it to the trackers (rank 0)."""
-    if run.rank == 0:
-        with open(run.run_dir / "metrics.jsonl", "a") as f:
+def write_metrics(metrics: dict, run_dir: Path, trackers, rank: int) -> None:
+    """Append one line to run_dir/metrics.jsonl (the plots' source of truth) and hand it to the trackers (rank 0)."""
+    if rank == 0:
+        with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        run.trackers.log(metrics, step=metrics["global_step"])
+        trackers.log(metrics, step=metrics["global_step"])
 
 
 def params_digest(model) -> str:

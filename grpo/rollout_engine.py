@@ -1,6 +1,6 @@
 """The rollout engine: one in-process vLLM per rank, serving the policy's merged weights or its LoRA adapter.
 
-    engine = RolloutEngine.from_config(cfg, rank=rank, world=world, device_type="cpu")
+    engine = RolloutEngine.from_config(cfg, recipe_llm_kwargs(cfg, rank=rank, world=world, device_type="cpu"))
     with engine.awake():                                # one generation phase: sync, evaluation, rollout
         engine.sync_policy(peft_model, adapter_dir, version=step, rank=rank)
         samples = engine.generate(prompt_ids, sampling)   # completions with their sampled tokens' log-probs
@@ -144,27 +144,21 @@ def check_vllm_lora_targets(model: torch.nn.Module, target_modules: list[str]) -
                           "lora.merge=true (merged weights serve any target)")
 
 
-def rollout_max_num_seqs(cfg, world: int) -> int:
-    """The most sequences one rank's engine is given at once: a rollout's completions or an evaluation's prompts.
-
-    TRL sizes its colocated engine the same way (per_device_train_batch_size x steps_per_generation) rather than
-    with vLLM's default (256 on CPU, 1024 on an H100), which sizes the sampler's buffers and CUDA graphs for
-    sequences that never come.
-    """
-    rollout = cfg.per_device_train_batch_size * cfg.steps_per_generation
-    evaluation = -(-cfg.data.num_eval // world) if cfg.eval_steps is not None else 0
-    return max(rollout, evaluation)
-
-
 def recipe_engine_args(cfg, *, rank: int, world: int, device_type: str) -> dict:
     """The keyword arguments of `RolloutEngine` (and `engine_kwargs`) for the recipe's config on one rank."""
     return dict(dtype=cfg.model.dtype, seed=cfg.seed + rank,
                 max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length, kv_cache_gb=cfg.vllm.kv_cache_gb,
-                enforce_eager=cfg.vllm.enforce_eager, max_num_seqs=cfg.vllm.max_num_seqs or rollout_max_num_seqs(cfg, world),
+                enforce_eager=cfg.vllm.enforce_eager, max_num_seqs=cfg.vllm_max_num_seqs(world),
                 max_num_batched_tokens=cfg.vllm.max_num_batched_tokens, distributed=world > 1,
                 max_lora_rank=None if cfg.lora.merge else (cfg.vllm.max_lora_rank or cfg.lora.r),
                 device_type=device_type, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                 enable_sleep_mode=cfg.vllm.enable_sleep_mode)
+
+
+def recipe_llm_kwargs(cfg, *, rank: int, world: int, device_type: str) -> dict:
+    """The arguments of ``vllm.LLM`` for the recipe's config on one rank; refuses what vLLM cannot do here."""
+    return engine_kwargs(cfg.model.name_or_path, **recipe_engine_args(cfg, rank=rank, world=world,
+                                                                      device_type=device_type))
 
 
 def engine_kwargs(model: str, *, dtype: str, max_model_len: int, kv_cache_gb: float, seed: int = 0,
@@ -229,18 +223,18 @@ class RolloutEngine:
     (level 1, kept in host memory). Generating on discarded weights that no push has replaced is refused.
     """
 
-    def __init__(self, model: str, *, merge: bool = True, sleep_level: int | None = None,
-                 precision_stats: bool = False, **kwargs):
+    def __init__(self, llm_kwargs: dict, *, merge: bool = True, sleep_level: int | None = None,
+                 precision_stats: bool = False):
+        """``llm_kwargs``: the arguments of ``vllm.LLM``, as `engine_kwargs` builds them."""
         from vllm import LLM
 
-        kwargs = engine_kwargs(model, **kwargs)
         in_process_vllm()
         self.merge = merge
-        self.dtype = getattr(torch, kwargs["dtype"])
-        self.llm = LLM(**kwargs)
+        self.dtype = getattr(torch, llm_kwargs["dtype"])
+        self.llm = LLM(**llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         default_level = 2 if merge else 1
-        self.sleep_level = (sleep_level or default_level) if kwargs.get("enable_sleep_mode") else 0
+        self.sleep_level = (sleep_level or default_level) if llm_kwargs.get("enable_sleep_mode") else 0
         self.asleep: set[str] = set()  # vLLM's sleeping tags, as its executor tracks them
         self.weights_discarded = False  # a level-2 sleep freed the weights and no push has replaced them yet
         self.in_phase = False
@@ -251,13 +245,20 @@ class RolloutEngine:
         self.sleep()
 
     @classmethod
-    def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> "RolloutEngine":
-        """The recipe's engine for ``cfg`` on one rank (its merge mode, sleep level and LoRA rank from the config)."""
+    def for_model(cls, model: str, *, merge: bool = True, sleep_level: int | None = None,
+                  precision_stats: bool = False, **engine_args) -> "RolloutEngine":
+        """An engine for ``model`` with `engine_kwargs`'s arguments (the benchmarks' and tests' way in)."""
+        return cls(engine_kwargs(model, **engine_args), merge=merge, sleep_level=sleep_level,
+                   precision_stats=precision_stats)
+
+    @classmethod
+    def from_config(cls, cfg, llm_kwargs: dict) -> "RolloutEngine":
+        """The recipe's engine for ``cfg`` (its merge mode and sleep level), with the vLLM arguments the start-up
+        built once (`recipe_llm_kwargs`)."""
         # vllm.sync=false pushes nothing, so the weights the engine starts with must survive its sleeps (level 1)
         sleep_level = 2 if cfg.lora.merge and cfg.vllm.sync else 1
-        return cls(cfg.model.name_or_path, merge=cfg.lora.merge, sleep_level=sleep_level,
-                   precision_stats=cfg.vllm.sync_precision_stats,
-                   **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type))
+        return cls(llm_kwargs, merge=cfg.lora.merge, sleep_level=sleep_level,
+                   precision_stats=cfg.vllm.sync_precision_stats)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -9,6 +9,7 @@ optimizer and the vLLM engine, and a checkpoint to resume from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -31,7 +32,7 @@ from grpo.loss import LossSettings
 from grpo.memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
 from grpo.parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_same_weights,
                            check_shared_output_dir, fsdp_settings, init_distributed)
-from grpo.rollout_engine import RolloutEngine, check_vllm_lora_targets, engine_kwargs, recipe_engine_args
+from grpo.rollout_engine import RolloutEngine, check_vllm_lora_targets, recipe_llm_kwargs
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
@@ -105,8 +106,20 @@ class Run:
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
 
 
+def free_run_name(output_dir: str, run_name: str) -> str:
+    """``run_name``, or else the first of ``run_name-2``, ``run_name-3``, ... whose folder holds no checkpoint.
+
+    Every rank finds the same name: no rank writes a checkpoint before all of them have passed start-up.
+    """
+    name, number = run_name, 1
+    while list_checkpoints(Path(output_dir) / name):
+        number += 1
+        name = f"{run_name}-{number}"
+    return name
+
+
 def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rollout_step: int) -> Path:
-    """Create results/<run_name>/ (rank 0), route the log into its train.log, trim metrics.jsonl on resume."""
+    """Create <output_dir>/<run_name>/ (rank 0), route the log into its train.log, trim metrics.jsonl on resume."""
     run_dir = Path(cfg.output_dir) / cfg.run_name
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S")
@@ -260,14 +273,12 @@ def setup(cfg: RecipeConfig) -> Run:
         raise ConfigError("model.dtype=float16 with accelerate's mixed_precision='bf16' would compute in bf16 on fp16 "
                           "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)")
     rank, world, device = init_distributed()
-    # refuses what vLLM cannot do here, before any work
-    engine_kwargs(cfg.model.name_or_path, **recipe_engine_args(cfg, rank=rank, world=world, device_type=device.type))
-    run_dir = Path(cfg.output_dir) / cfg.run_name
-    resume = resolve_checkpoint(cfg.resume_from_checkpoint, run_dir) if cfg.resume_from_checkpoint else None
-    earlier_checkpoints = list_checkpoints(run_dir)
-    if resume is None and earlier_checkpoints:
-        raise ConfigError(f"{run_dir} already holds {earlier_checkpoints[-1].name} from an earlier run: continue "
-                          "it with resume_from_checkpoint=last, or choose another run_name or output_dir")
+    # the engine's arguments, built once: refuses what vLLM cannot do here, before any work
+    llm_kwargs = recipe_llm_kwargs(cfg, rank=rank, world=world, device_type=device.type)
+    named_dir = Path(cfg.output_dir) / cfg.run_name
+    resume = resolve_checkpoint(cfg.resume_from_checkpoint, named_dir) if cfg.resume_from_checkpoint else None
+    if resume is None:  # a new run never writes over an earlier run's checkpoints
+        cfg = dataclasses.replace(cfg, run_name=free_run_name(cfg.output_dir, cfg.run_name))
     if resume:
         check_resumable(resume, config_to_dict(cfg))
     resumed_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {}
@@ -277,6 +288,9 @@ def setup(cfg: RecipeConfig) -> Run:
     model_config = model_config_of(cfg)
     check_lora_targets(cfg, model_config)
     run_dir = start_run_dir(cfg, rank, resume, resumed)
+    if run_dir != named_dir:
+        log.info("%s already holds a run (%s), so this one writes to %s; to continue that run instead, add "
+                 "resume_from_checkpoint=last", named_dir, list_checkpoints(named_dir)[-1].name, run_dir)
     check_shared_output_dir(run_dir, rank, world)
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
     torch.manual_seed(cfg.seed + rank)
@@ -296,7 +310,7 @@ def setup(cfg: RecipeConfig) -> Run:
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_rollout_steps * updates_per_rollout))
-    engine = RolloutEngine.from_config(cfg, rank=rank, world=world, device_type=device.type)
+    engine = RolloutEngine.from_config(cfg, llm_kwargs)
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
         load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
         log.info("resumed from %s: continuing at rollout step %d of %d", resume, resumed + 1, num_rollout_steps)

@@ -1,4 +1,4 @@
-"""The embedded default: GSM8K-style problems, an exact-answer reward, and a small Qwen3 the project builds.
+"""The embedded default: GSM8K-style problems and a small Qwen3 the project builds (its reward: `grpo.rewards`).
 
 No pretrained model can be downloaded on the machines this project is tested on, so the default run trains
 its own: a character-level tokenizer, a ``Qwen3ForCausalLM`` of about a million parameters, and a short
@@ -12,7 +12,8 @@ accuracy, greedy and sampled, rise (README). Everything is deterministic from a 
     python -m grpo.tiny_gsm8k --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
 
 The problems have ``openai/gsm8k``'s columns (``question``, and ``answer`` = reasoning + ``#### <int>``),
-and ``gsm8k_exact_answer_reward`` has TRL's reward-function signature, so both work with the real dataset.
+and ``grpo.rewards.gsm8k_exact_answer_reward`` has TRL's reward-function signature, so both work with the real
+dataset.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from grpo.rewards import gsm8k_exact_answer_reward
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea", "Max", "Nia"]
 OBJECTS = ["apples", "pens", "cards", "books", "coins", "shells", "stamps", "eggs", "toys", "cups"]
@@ -82,25 +84,6 @@ def format_prompt(question: str) -> str:
     return f"Q: {question}\nA:"
 
 
-def extract_answer(text: str) -> str | None:
-    """The number after the last ``####`` (GSM8K convention), without commas or spaces; None if absent."""
-    matches = re.findall(r"####\s*(-?[\d,]*\.?\d+)", text)
-    return matches[-1].replace(",", "") if matches else None
-
-
-def gsm8k_exact_answer_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL reward function: 1.0 when the completion's ``####`` number equals the reference answer's, else 0.0.
-
-    ``completions`` are strings, or chat messages (``[{"role": "assistant", "content": ...}]``).
-    """
-    rewards = []
-    for completion, reference in zip(completions, answer):
-        text = completion[-1]["content"] if isinstance(completion, list) else completion
-        got = extract_answer(text)
-        rewards.append(float(got is not None and got == extract_answer(reference)))
-    return rewards
-
-
 # ----------------------------------------------------------------------------- tokenizer
 def build_tokenizer():
     """A character-level fast tokenizer (every digit is one token), made locally, no download."""
@@ -153,7 +136,7 @@ def measure_accuracy(model, tokenizer, problems: list[dict], greedy: bool, seed:
     return sum(gsm8k_exact_answer_reward(texts, [p["answer"] for p in problems])) / len(problems)
 
 
-def _new_model(size: str, **config):
+def new_model(size: str, **config):
     """A freshly initialised model of ``size`` with the shared ``config`` fields: Qwen3, or Qwen3-MoE for MOE_SIZES."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -190,7 +173,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     vocab = (len(tokenizer) + 63) // 64 * 64
-    model = _new_model(size, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
+    model = new_model(size, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)

@@ -1,7 +1,7 @@
 """Experiment trackers (`report_to`, TRL's name) through accelerate's own tracker classes, on rank 0.
 
     report_to: none                    # default: metrics.jsonl only (the plots' source of truth)
-    report_to: [tensorboard]           # event files in results/<run_name>/runs/
+    report_to: [tensorboard]           # event files in <output_dir>/<run_name>/runs/
     report_to: [wandb, trackio]        # any tracker accelerate knows, if its package is installed
 
 Each rollout step's metrics go to every tracker at step = global_step (optimizer steps, as TRL logs them).

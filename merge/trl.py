@@ -50,12 +50,13 @@ from packaging.version import Version
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from merge import _check_supported, decoder_layers, merged_lora_params
+from merge.layers import check_supported, decoder_layers
+from merge.merged_params import merged_lora_params
 from merge.vllm_compat import reload_vllm_weights
 
 __all__ = ["SUPPORTED_TRL", "UnsupportedTRLVersionError", "check_trl_version", "use_merged_lora_sync",
            "install_merged_lora_sync", "MergedLoraSync", "push_merged_lora_to_llm", "merged_lora_weights",
-           "vllm_engine_kwargs"]
+           "vllm_engine_kwargs", "check_fsdp2_layout"]
 
 SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
 """TRL versions whose ``VLLMGeneration.sync_weights`` seam (callers, preamble, epilogue, client API) was read."""
@@ -85,7 +86,7 @@ def _vllm_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def _check_fsdp2_layout(model: torch.nn.Module) -> None:
+def check_fsdp2_layout(model: torch.nn.Module) -> None:
     """Under FSDP2, ``merged_lora_params`` needs each decoder layer to be its own ``fully_shard`` group.
 
     A layer left to the root's group would be merged from its local shards, and a group nested inside a layer
@@ -137,7 +138,7 @@ class MergedLoraSync:
         from trl.generation.vllm_generation import empty_cache
 
         gen = self.generation
-        _check_fsdp2_layout(gen.model)  # accelerate shards at train(), after installation: checked on every sync
+        check_fsdp2_layout(gen.model)  # accelerate shards at train(), after installation: checked on every sync
         if gen.mode == "colocate" and gen.enable_sleep_mode:  # TRL's preamble, as is
             empty_cache()
             gen.llm.wake_up(tags=["weights"])
@@ -185,8 +186,8 @@ def install_merged_lora_sync(generation, dtype: torch.dtype | None = None) -> Me
         raise TypeError(f"expected trl's VLLMGeneration, got {type(generation).__name__}")
     if isinstance(generation.sync_weights, MergedLoraSync):
         return generation.sync_weights
-    _check_supported(generation.model)  # fail now, not at the first rollout
-    _check_fsdp2_layout(generation.model)
+    check_supported(generation.model)  # fail now, not at the first rollout
+    check_fsdp2_layout(generation.model)
     generation.sync_weights = MergedLoraSync(generation, dtype)
     return generation.sync_weights
 

@@ -19,9 +19,9 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer, ParamWrapper
 
-from merge import normalize_peft_param_name
+from merge.layers import normalize_peft_param_name
 
-__all__ = ["reload_vllm_weights", "vllm_unservable_lora_targets", "has_fused_experts"]
+__all__ = ["reload_vllm_weights", "in_process_model", "vllm_unservable_lora_targets", "has_fused_experts"]
 
 
 def _reload_repacking_cpu_experts(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> int:

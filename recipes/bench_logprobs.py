@@ -29,7 +29,7 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # glibc reads it at sta
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from grpo.bench_common import ALL_LINEAR, machine_info, rss_peak_during, with_random_lora
+from bench_common import ALL_LINEAR, machine_info, rss_peak_during, with_random_lora
 from grpo.config import load_config
 from grpo.memory_plan import GIB, memory_plan
 from grpo.parallel import apply_activation_checkpointing

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.bench_common import ALL_LINEAR, machine_info
+from bench_common import ALL_LINEAR, machine_info
 from grpo.rollout_engine import RolloutEngine
 from merge import merged_lora_params
 
@@ -172,8 +172,8 @@ def bench_model(name: str, args) -> dict:
         dtype = getattr(torch, dtype_name)
         common = dict(dtype=dtype_name, seed=0, max_model_len=args.tokens + 8, kv_cache_gb=args.kv_cache_gb,
                       max_num_seqs=args.sequences)
-        merged = RolloutEngine(model_dir, precision_stats=True, **common)
-        with_lora = RolloutEngine(model_dir, merge=False, max_lora_rank=args.rank, **common)
+        merged = RolloutEngine.for_model(model_dir, precision_stats=True, **common)
+        with_lora = RolloutEngine.for_model(model_dir, merge=False, max_lora_rank=args.rank, **common)
         trainer_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         base = dict(vllm_merged=vllm_logprobs(merged, ids), vllm_adapter=vllm_logprobs(with_lora, ids),
                     trainer=token_logprobs(trainer_base, ids, dtype), merged_weights_fp32_compute=ref_base)

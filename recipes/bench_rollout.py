@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.bench_common import machine_info, with_random_lora
+from bench_common import machine_info, with_random_lora
 from grpo.rollout_engine import RolloutEngine
 from grpo.tiny_gsm8k import MOE_SIZES, build_tiny_model, format_prompt, make_problems
 
@@ -64,8 +64,8 @@ def bench(size: str, dtype: str, args) -> dict:
                                   **targets)
     peft_model.save_pretrained(adapter_dir)
     common = dict(dtype=dtype, seed=0, max_model_len=512, kv_cache_gb=args.kv_cache_gb)
-    plain = RolloutEngine(model_dir, **common)  # the recipe's engine, as merge=true builds it
-    with_lora = None if moe else RolloutEngine(model_dir, **common, merge=False, max_lora_rank=args.rank)
+    plain = RolloutEngine.for_model(model_dir, **common)  # the recipe's engine, as merge=true builds it
+    with_lora = None if moe else RolloutEngine.for_model(model_dir, **common, merge=False, max_lora_rank=args.rank)
     base_weights = [(name, tensor.to(getattr(torch, dtype))) for name, tensor in base_checkpoint(model_dir).items()]
     if with_lora:
         with_lora.serve_adapter(adapter_dir, 1)

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from grpo.bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
+from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params, normalize_peft_param_name
 from merge.trl import merged_lora_weights, push_merged_lora_to_llm
 from grpo.rollout_engine import RolloutEngine
@@ -203,8 +203,8 @@ def worker(args) -> None:
     apply_fsdp(model, param_dtype=dtype)
 
     # The recipe's engine (merge=true): in-process per rank, external_launcher.
-    engine = RolloutEngine(model_dir, dtype="float32", seed=rank, max_model_len=256, kv_cache_gb=args.kv_cache_gb,
-                           distributed=True)
+    engine = RolloutEngine.for_model(model_dir, dtype="float32", seed=rank, max_model_len=256,
+                                     kv_cache_gb=args.kv_cache_gb, distributed=True)
     say(f"model {parameters:,} parameters, largest decoder layer {layer_bytes / MIB:.1f} MiB; engine ready")
 
     def drain(method) -> None:  # a consumer that drops each tensor at once (a loader copies it into its own buffer)

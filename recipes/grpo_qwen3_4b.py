@@ -17,7 +17,7 @@ One rollout step, top to bottom (`main`):
   3. reward   TRL-style reward functions -> group-normalized advantages
   4. old      one no-grad packed forward per mini-batch -> old (and reference) log-probs, via `padding`
   5. update   num_iterations x steps_per_generation mini-batches of the GRPO loss (later ones off-policy)
-  6. log      one JSON line per rollout step in results/<run_name>/metrics.jsonl
+  6. log      one JSON line per rollout step in <output_dir>/<run_name>/metrics.jsonl
   7. save     checkpoint-<global_step>/ every `save_steps` optimizer steps, at the end, and on SIGINT/SIGTERM
 
 Faults stop the run with a message instead of training on bad numbers: a NaN/inf reward, loss, ratio, gradient
@@ -25,9 +25,7 @@ norm or fp16 overflow (in a forward, in the merged weights) stops the step befor
 scaling skips a step whose gradients overflowed; the |vLLM - trainer| log-prob guard catches a broken weight sync.
 `resume_from_checkpoint=<dir>|last` continues at the next rollout step with the results of an uninterrupted run.
 
-The parts live in the `grpo` package: `grpo.config` (the YAML config), `grpo.run` (start-up and the run's state),
-`grpo.data` (prompts, rewards, batches), `grpo.loss` (the loss), `grpo.rollout_engine` (vLLM, merged or adapter),
-`grpo.parallel` (processes, FSDP2), `grpo.metrics`, `grpo.faults`, `grpo.checkpointing`.
+The parts live in the `grpo` package (README.md's layout says what each module holds).
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ from grpo.checkpointing import checkpoint_path, rng_state, save_adapter, save_ch
 from grpo.data import group_advantages, make_batch, score, select
 from grpo.faults import StopRequest, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
-from grpo.metrics import log_metrics, params_digest, write_metrics
+from grpo.metrics import params_digest, reduce_statistics, step_metrics, write_metrics
 from grpo.parallel import gather_across_ranks, reduce_across_ranks
 from grpo.run import Run, setup
 from padding import packed_log_probs
@@ -237,6 +235,23 @@ def update(run: Run, batch: dict, rollout_step: int) -> dict:
     return {name: value.item() for name, value in totals.items()}
 
 
+def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, update_stats: dict, t_step: float) -> dict:
+    """6. Reduce this rollout step's statistics across ranks by name, append them to metrics.jsonl (rank 0)."""
+    total = reduce_statistics(rewards, batch, phases, update_stats, run.device)
+    metrics = step_metrics(total, rollout_step=rollout_step, global_step=run.global_step(rollout_step),
+                           merge=run.cfg.lora.merge, legacy_slice=run.cfg.padding.legacy_slice,
+                           lr=run.scheduler.get_last_lr()[0])
+    metrics["step_s"] = time.perf_counter() - t_step
+    write_metrics(metrics, run.run_dir, run.trackers, run.rank)
+    if run.rank == 0:
+        log.info("rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
+                 "|vllm-trainer| %.2e tok/s %.0f sync %.2fs", rollout_step, run.num_rollout_steps,
+                 metrics["global_step"], metrics["reward_mean"], metrics["ratio_mean"], metrics["ratio_min"],
+                 metrics["ratio_max"], metrics["ratio_onpolicy_maxdev"], metrics["rollout_logprob_diff_mean"],
+                 metrics["rollout_tokens_per_s"], metrics["sync_s"])
+    return metrics
+
+
 def evaluate(run: Run, rollout_steps_done: int) -> dict:
     """Mean held-out reward (the accuracy, for a 0/1 reward), greedy and at the training temperature.
 
@@ -261,7 +276,7 @@ def evaluate(run: Run, rollout_steps_done: int) -> dict:
                    eval_problems=int(total["problems"]), eval_reward_greedy=total["greedy_reward_sum"] / n,
                    eval_reward_sampled=total["sampled_reward_sum"] / n,
                    eval_completion_tokens_greedy=total["greedy_tokens"] / n)
-    write_metrics(run, metrics)
+    write_metrics(metrics, run.run_dir, run.trackers, run.rank)
     log.info("eval after rollout step %d (optimizer step %d): held-out reward greedy %.3f, sampled %.3f (%d problems)",
              rollout_steps_done, metrics["global_step"], metrics["eval_reward_greedy"], metrics["eval_reward_sampled"],
              metrics["eval_problems"])

@@ -18,9 +18,9 @@ with its own engine; the recipe refuses to run if the processes did not join. On
 configs give real FSDP2 (``fully_shard`` per decoder layer, then the root), which ``merge.trl`` syncs one layer
 at a time.
 
-Output: ``results/<run_name>/`` (``output_dir``/``run_name``): ``metrics.jsonl``, one line per rollout under the
-standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` lists them), ``config.yaml``
-(resolved) and ``adapter/``.
+Output: ``<output_dir>/<run_name>/`` (``runs/trl-tiny-cpu/`` with the CPU config): ``metrics.jsonl``, one line per
+rollout under the standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` lists them),
+``config.yaml`` (resolved) and ``adapter/``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class TinyGsm8kArguments:
                 "cached; null (or none) to use model_name_or_path as it is"})
     build_seed: int = field(default=0, metadata={"help": "seed of the embedded model's build"})
     num_generated: int = field(default=4096, metadata={"help": "generated GSM8K-style problems to train on"})
-    reward_funcs: list[str] = field(default_factory=lambda: ["grpo.tiny_gsm8k:gsm8k_exact_answer_reward"], metadata={
+    reward_funcs: list[str] = field(default_factory=lambda: ["grpo.rewards:gsm8k_exact_answer_reward"], metadata={
         "help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"})
     sync: str = field(default="merged_lora_params", metadata={
         "help": "merged_lora_params (merge.trl) or trl (TRL's own merge/unmerge sync)", "choices": [

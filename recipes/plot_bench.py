@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from grpo.figures import save_figure  # noqa: E402
+from figures import save_figure  # noqa: E402
 
 MODES = [("base", "base weights"), ("merged", "merged LoRA"), ("lora", "vLLM LoRA")]
 METHODS = {

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from grpo.figures import save_figure  # noqa: E402
+from figures import save_figure  # noqa: E402
 
 MODES = {"vllm_merged": "vLLM, merged weights", "vllm_adapter": "vLLM, adapter (LoRARequest)",
          "trainer": "trainer (autocast, fp32 LoRA)", "merged_weights_fp32_compute": "merged weights, fp32 compute"}

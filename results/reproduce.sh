@@ -6,11 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
 launch=(.venv/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml)
-tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml)
-# A new run refuses to overwrite checkpoints; checkpoints are not committed, so clear the runs first.
+# The configs write into runs/ (ignored by git); the committed results are written here explicitly, into results/.
+tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml output_dir=results)
+# Clear the earlier runs first: beside an earlier run's checkpoints (not committed) a new run would go to
+# <run_name>-2 instead of replacing it.
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
        results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-*
-"${launch[@]}" "${tiny[@]}"                                                   # README's main command
+"${launch[@]}" "${tiny[@]}"                                    # README's main command, written into results/
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
 # the precision set: fp32 / bf16 / fp16 x merge on / off, 20 rollout steps each (results/precision/<dtype>-<mode>)
@@ -21,8 +23,8 @@ for dtype in float32 bfloat16 float16; do
         run_name="$name"
   done
 done
-"${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_moe_cpu.yaml
-"${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml
+"${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_moe_cpu.yaml output_dir=results
+"${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml --output_dir results
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.bench_common import rss_peak_during, with_random_lora
+from bench_common import rss_peak_during, with_random_lora
 from grpo.checkpointing import full_adapter_state
 from merge import merged_lora_params
 from padding import packed_log_probs
@@ -138,8 +138,8 @@ def sampling_streams(rank: int, tmp: Path) -> None:
 
     from grpo.rollout_engine import RolloutEngine
 
-    engine = RolloutEngine(str(tmp / "model"), dtype="float32", seed=rank, max_model_len=64, kv_cache_gb=0.05,
-                           distributed=True)
+    engine = RolloutEngine.for_model(str(tmp / "model"), dtype="float32", seed=rank, max_model_len=64,
+                                     kv_cache_gb=0.05, distributed=True)
     prompt = engine.tokenizer("Q: Ava has 3 cards.").input_ids
     samples = engine.generate([prompt, prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12))
     completions = [tuple(s.completion_ids) for s in samples]

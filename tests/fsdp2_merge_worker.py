@@ -11,7 +11,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from grpo.bench_common import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
+from bench_common import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
 from merge import decoder_layers, merged_lora_params
 from qwen3_lora import shard_and_train, tiny_lora
 from torchrun import finish_worker

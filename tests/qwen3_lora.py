@@ -3,7 +3,7 @@
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from grpo.bench_common import ALL_LINEAR, with_random_lora
+from bench_common import ALL_LINEAR, with_random_lora
 
 
 def tiny_qwen3(seed: int = 0, dtype=torch.float32, layers: int = 2, hidden: int = 64, tie: bool = True) -> Qwen3ForCausalLM:

@@ -2,7 +2,7 @@
 
 import torch
 
-from grpo.bench_common import merge_unmerge_drift
+from bench_common import merge_unmerge_drift
 from qwen3_lora import tiny_lora
 
 

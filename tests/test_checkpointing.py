@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from peft import PeftModel
 
 from grpo import checkpointing
@@ -117,12 +118,17 @@ def test_resume_refuses_another_config_and_incomplete_checkpoints(tmp_path):
         resolve_checkpoint("last", tmp_path / "empty")
 
 
-def test_a_new_run_never_overwrites_checkpoints(tmp_path):
+def test_a_new_run_beside_earlier_checkpoints_goes_to_the_next_free_folder(tmp_path, tiny_model):
+    """run/ and run-2/ hold checkpoints: a new run writes to run-3/ and says so (it stops later, at the reward)."""
     (tmp_path / "run" / "checkpoint-8").mkdir(parents=True)
-    proc = run_recipe(tmp_path, "model.build_tiny=null")
-    assert proc.returncode != 0
-    assert ("already holds checkpoint-8 from an earlier run: continue it with resume_from_checkpoint=last"
-            in proc.stderr), proc.stderr[-3000:]
+    (tmp_path / "run-2" / "checkpoint-4").mkdir(parents=True)
+    proc = run_recipe(tmp_path, f"model.name_or_path={tiny_model}", "model.build_tiny=null",
+                      "reward_funcs=[no_such_module:reward]")
+    assert proc.returncode == 2 and "reward_funcs entry 'no_such_module:reward' cannot be imported" in proc.stderr
+    assert (f"{tmp_path / 'run'} already holds a run (checkpoint-8), so this one writes to {tmp_path / 'run-3'}; "
+            "to continue that run instead, add resume_from_checkpoint=last") in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "run-3" / "train.log").is_file()
+    assert yaml.safe_load((tmp_path / "run-3" / "config.yaml").read_text())["run_name"] == "run-3"
     proc = run_recipe(tmp_path, "model.build_tiny=null", "resume_from=/no/such/checkpoint")
     assert proc.returncode != 0 and "resume_from_checkpoint='/no/such/checkpoint'" in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoint-8").is_dir()

@@ -52,11 +52,11 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override, message", [
     ("lora.merg=false", "unknown config key 'lora.merg'; did you mean 'lora.merge'?"),
     ("learnin_rate=1e-5", "did you mean 'learning_rate'?"),
-    ("learning_rate=fast", "learning_rate='fast' must be a number"),
+    ("learning_rate=fast", "learning_rate='fast' must be of type float"),
     ("lora.r=true", "lora.r=True must be of type int"),
     ("lora.merge=maybe", "lora.merge='maybe' must be of type bool"),
     ("lora.target_modules=q_proj", "lora.target_modules='q_proj' must be a list of str"),
-    ("loss_type=ppo", "loss_type='ppo' is not supported; supported: grpo, bnpo"),
+    ("loss_type=ppo", "loss_type='ppo' is not allowed; choose one of ['grpo', 'bnpo'"),
     ("model.dtype=float64", "model.dtype='float64' is not allowed"),
     ("num_generations=3", "must be a multiple of num_generations=3"),
     ("num_generations=1", "num_generations=1 is out of range: it must be >= 2"),
@@ -120,6 +120,14 @@ def dotted_fields(cls, prefix: str = "") -> set[str]:
     return names
 
 
+def test_every_field_is_declared_with_its_help():
+    sections = [RecipeConfig, *(typing.get_type_hints(RecipeConfig)[name] for name in
+                                ("model", "data", "lora", "vllm", "padding"))]
+    missing = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls)
+               if not f.metadata.get("help")]
+    assert not missing, missing
+
+
 def test_the_bad_value_table_covers_every_field():
     assert dotted_fields(RecipeConfig) == set(BAD_VALUES), dotted_fields(RecipeConfig) ^ set(BAD_VALUES)
 
@@ -163,7 +171,7 @@ def test_the_bare_command_without_a_model_says_how_to_run_the_embedded_default(t
     line, = proc.stderr.strip().splitlines()
     assert line.startswith("error: model.name_or_path='Qwen/Qwen3-4B' does not exist locally and HF_HUB_OFFLINE=1")
     assert line.endswith("recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml"), line
-    assert not (tmp_path / "results").exists()
+    assert not (tmp_path / "runs").exists()
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://hub.invalid")  # a name that never resolves
     assert not hub_reachable_or_cached("Qwen/Qwen3-4B")
 

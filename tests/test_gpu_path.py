@@ -17,7 +17,7 @@ from grpo.memory_plan import GIB, check_fits, memory_plan
 from grpo.parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
 from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
 from qwen3_lora import tiny_lora
-from grpo.rollout_engine import EngineStateError, RolloutEngine, engine_kwargs, recipe_engine_args
+from grpo.rollout_engine import EngineStateError, RolloutEngine, engine_kwargs, recipe_engine_args, recipe_llm_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
@@ -94,7 +94,7 @@ def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
 
     RecordingLLM.calls = []
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    engine = RolloutEngine("m", sleep_level=sleep_level, **engine_args(load_config(QWEN_CONFIG), "cuda"))
+    engine = RolloutEngine.for_model("m", sleep_level=sleep_level, **engine_args(load_config(QWEN_CONFIG), "cuda"))
     with engine.awake():
         engine.push_weights(iter([]))
         engine.generate([[1, 2]], sampling=None)
@@ -112,7 +112,7 @@ def test_without_sleep_mode_the_engine_never_sleeps(monkeypatch):
     RecordingLLM.calls = []
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
-    engine = RolloutEngine("m", **engine_args(cfg, "cuda"))
+    engine = RolloutEngine.for_model("m", **engine_args(cfg, "cuda"))
     engine.generate([[1]], sampling=None)
     with engine.awake():
         engine.generate([[1]], sampling=None)
@@ -185,7 +185,7 @@ def contract_run(tmp_path, overrides: list[str]):
 
     cfg = load_config(ROOT / "recipes" / "configs" / "tiny_cpu.yaml",
                       ["vllm.enable_sleep_mode=true", "eval_steps=8", "max_steps=16", *overrides])
-    engine = RolloutEngine.from_config(cfg, rank=0, world=1, device_type="cuda")
+    engine = RolloutEngine.from_config(cfg, recipe_llm_kwargs(cfg, rank=0, world=1, device_type="cuda"))
     problems = [{"prompt": f"Q{i}", "prompt_ids": [1, 2 + i], "answer": "4"} for i in range(8)]
     return Run(cfg=cfg, rank=0, world=1, device=torch.device("cpu"), run_dir=tmp_path, problems=problems,
                reward_funcs={"exact": lambda completions, answer, **kw: [float(c.strip() == a) for c, a in

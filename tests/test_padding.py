@@ -161,7 +161,7 @@ def test_unpad_right_padding_only_by_hand():
     values = torch.arange(12, dtype=torch.float32)
     # sample 0: start 0 -> 1 ; sample 1: start 3 -> 4, 5, 6 ; sample 2: start 8 -> 9, 10
     assert no_padding_2_padding(values, mask, response_mask).tolist() == [[1, 0, 0], [4, 5, 6], [9, 10, 0]]
-    # here (full prompts) the seed's legacy rule happens to agree
+    # here (full prompts) the legacy rule happens to agree
     assert torch.equal(legacy_slice_response(values, mask, response_mask), no_padding_2_padding(values, mask, response_mask))
 
 
@@ -631,13 +631,13 @@ def test_gradients_flow_and_match_the_per_sequence_forward():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 7. the LM head only at the positions read, in chunks (issue #21, item 1)
+# 7. the LM head only at the positions read, in chunks
 # ----------------------------------------------------------------------------------------------------------
 
 
 def full_logits_log_probs(model, ids, attention_mask, response_mask, temperature=1.0, legacy_slice=False,
                           return_entropy=False):
-    """packed_log_probs as it was before issue #21: [T, V] logits at every packed position, then the mapping."""
+    """packed_log_probs without the chunked head: [T, V] logits at every packed position, then the mapping."""
     packed = unpad(ids, attention_mask)
     logits = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
                    use_cache=False).logits[0]
@@ -687,7 +687,7 @@ LAYOUTS = {  # name: (prompt lengths, response lengths, P, R)
     ("moe", "ragged (left- and right-padded)"),
 ])
 def test_response_head_equals_the_full_logits_fp32(kind, legacy_slice, layout_name):
-    """Log-probs, entropies and LoRA gradients of the chunked response-only head equal today's full-logits path."""
+    """Log-probs, entropies and LoRA gradients of the chunked response-only head equal the full-logits path's."""
     prompts, responses, width_p, width_r = LAYOUTS[layout_name]
     ids, mask, response_mask = layout(prompts, responses, width_p, width_r, seed=7)
     model = lora_model(kind)
@@ -748,7 +748,7 @@ def test_the_lm_head_runs_on_response_positions_only_in_chunks():
     with torch.no_grad():
         packed_log_probs(model, ids, mask, response_mask)  # default chunk: all 16 at once; no recompute
         assert shapes == [(1, scored, vocab)]
-        packed_log_probs(model, ids, mask, response_mask, chunk_size=None)  # today's path: every packed position
+        packed_log_probs(model, ids, mask, response_mask, chunk_size=None)  # the full-logits path: every packed position
         assert shapes[1:] == [(1, total, vocab)]
         legacy = response_mask.clone()
         shapes.clear()
@@ -795,12 +795,12 @@ def test_a_model_that_changes_the_head_output_is_refused():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 8. packed_sdpa: one host read per forward (issue #21, item 2)
+# 8. packed_sdpa: one host read per forward
 # ----------------------------------------------------------------------------------------------------------
 
 
 def bounds_read_every_time(position_ids, length):
-    """packed_sample_bounds before issue #21: device tensor ops and several host reads, in every layer."""
+    """packed_sample_bounds done with device tensor ops and several host reads, in every layer (the slower way)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape != (1, length) or length < 2:
         return None
     row = position_ids[0]

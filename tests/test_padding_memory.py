@@ -1,9 +1,10 @@
-"""packed_log_probs without [T, V] logits (issue #21, item 1): memory, time, and FSDP2 x 2 processes.
+"""packed_log_probs without [T, V] logits: memory, time, and FSDP2 x 2 processes.
 
 Single process: at Qwen3's vocabulary (V = 151,936) on a narrow model, the largest tensor of a forward + backward
-and the peak RSS, today's full-logits path (``chunk_size=None``) against the response-only chunked head.
+and the peak RSS, the full-logits path (``chunk_size=None``) against the response-only chunked head.
 Two processes (this file is also the torchrun worker): under FSDP2 (``fully_shard`` per decoder layer, then the
-root, as recipes/parallel.py's apply_fsdp), the chunked head gives today's log-probs, entropies and LoRA gradients.
+root, as grpo/parallel.py's apply_fsdp), the chunked head gives the full-logits path's log-probs, entropies and LoRA
+gradients.
 """
 
 import time
@@ -33,7 +34,7 @@ class LargestTensor(TorchDispatchMode):
 
 
 def wide_vocab_lora(vocab=QWEN3_VOCAB):
-    from grpo.bench_common import with_random_lora
+    from bench_common import with_random_lora
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -54,7 +55,7 @@ def test_no_full_vocabulary_logits_and_a_lower_peak():
     Measured here (2 shared CPU cores): largest tensor 170 MiB ([293, V] fp32 logits) -> 37 MiB ([64, V]); peak
     RSS 679 -> 148 MiB; time 1024 -> 397 ms (2.6x faster: the head and log-softmax skip the 78% prompt rows).
     """
-    from grpo.bench_common import rss_peak_during
+    from bench_common import rss_peak_during
 
     model = wide_vocab_lora()
     prompts = [64, 48, 60, 57]
@@ -76,7 +77,7 @@ def test_no_full_vocabulary_logits_and_a_lower_peak():
           f"{new['largest'] / 2**20:.0f} MiB {new['shape']}; peak RSS {old['peak'] / 2**20:.0f} -> "
           f"{new['peak'] / 2**20:.0f} MiB; time {old['time'] * 1e3:.0f} -> {new['time'] * 1e3:.0f} ms "
           f"({old['time'] / new['time']:.2f}x)")
-    assert old["largest"] == total * QWEN3_VOCAB * 4  # today: the [T, V] fp32 logits
+    assert old["largest"] == total * QWEN3_VOCAB * 4  # full logits: the [T, V] fp32 logits
     assert new["largest"] == scored * QWEN3_VOCAB * 4  # the one chunk of N = 64 response positions
     assert new["peak"] < 0.5 * old["peak"], (new["peak"], old["peak"])
 

@@ -11,7 +11,7 @@ from vllm import SamplingParams
 
 import bench_rollout
 import bench_sync
-from grpo.bench_common import with_random_lora
+from bench_common import with_random_lora
 from merge import merged_lora_params
 from padding import packed_log_probs
 from grpo.rollout_engine import RolloutEngine, WeightPushError
@@ -43,7 +43,7 @@ def test_the_benchmarks_time_the_recipes_own_sync():
 
 @pytest.fixture(scope="module")
 def engine_and_policy(tiny_model):
-    engine = RolloutEngine(tiny_model, dtype="float32", max_model_len=128, kv_cache_gb=0.05)
+    engine = RolloutEngine.for_model(tiny_model, dtype="float32", max_model_len=128, kv_cache_gb=0.05)
     policy = with_random_lora(AutoModelForCausalLM.from_pretrained(tiny_model), rank=8, lora_b_std=0.05)
     yield engine, policy
     engine.close()

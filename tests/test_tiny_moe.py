@@ -3,11 +3,11 @@
 import pytest
 
 from merge.vllm_compat import has_fused_experts
-from grpo.tiny_gsm8k import MOE_SIZES, SIZES, _new_model, build_tiny_model
+from grpo.tiny_gsm8k import MOE_SIZES, SIZES, new_model, build_tiny_model
 
 
 def test_tiny_moe_is_a_qwen3_moe_vllm_cpu_can_serve():
-    model = _new_model("tiny-moe", vocab_size=128, tie_word_embeddings=True)
+    model = new_model("tiny-moe", vocab_size=128, tie_word_embeddings=True)
     config = model.config
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and has_fused_experts(model)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as vLLM's Qwen3-MoE ties them

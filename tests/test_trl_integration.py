@@ -37,7 +37,7 @@ def recipe_argv(out: Path, model: str, run_name: str, *overrides: str) -> list[s
             "--per_device_train_batch_size", "8", "--steps_per_generation", "2", "--num_generations", "4",
             "--max_completion_length", "24", "--learning_rate", "5e-3", "--num_generated", "64",
             "--vllm_kv_cache_gb", "0.0625", "--vllm_max_model_length", "128",
-            "--reward_funcs", "grpo.tiny_gsm8k:gsm8k_exact_answer_reward", "trl_helpers:digit_fraction_reward", *overrides]
+            "--reward_funcs", "grpo.rewards:gsm8k_exact_answer_reward", "trl_helpers:digit_fraction_reward", *overrides]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ def finish_worker() -> None:
     """The end of a worker whose checks all passed: leave the process group, flush, and exit without the
     interpreter's teardown. Workers on this CPU stack now and then abort in that teardown, after every check
     passed ("terminate called without an active exception", SIGABRT: 2 of ~30 worker runs in three fresh-clone
-    suite runs at stop 23), which would fail a test that has nothing wrong."""
+    suite runs), which would fail a test that has nothing wrong."""
     import torch.distributed as dist
 
     if dist.is_initialized():

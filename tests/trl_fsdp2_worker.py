@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.generation.vllm_generation import VLLMGeneration
 
 from merge import decoder_layers
-from merge.trl import _check_fsdp2_layout, install_merged_lora_sync, vllm_engine_kwargs
+from merge.trl import check_fsdp2_layout, install_merged_lora_sync, vllm_engine_kwargs
 from qwen3_lora import ALL_LINEAR
 from grpo.tiny_gsm8k import format_prompt, make_problems
 from trl_helpers import (RecordingVLLMClient, broadcast_recorded, completion_logprobs, expected_tensors,
@@ -105,7 +105,7 @@ def main():
     root_only = lora_model(model_dir)
     fully_shard(root_only)
     try:
-        _check_fsdp2_layout(root_only)
+        check_fsdp2_layout(root_only)
         raise AssertionError("a model sharded only at the root was accepted")
     except ValueError as err:
         assert "decoder layer 0 is not a fully_shard group" in str(err), err

@@ -1,0 +1,77 @@
+"""How much of the LoRA update survives the cast of the merged weights to the engine's dtype (opt-in telemetry)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MergePrecisionStats"]
+
+
+class MergePrecisionStats:
+    """How much of the LoRA update survives the cast of the merged weights to the engine's dtype (opt-in telemetry).
+
+    Pass one to :func:`merged_lora_params` (``precision_stats=``); it accumulates, over every merged tensor (the
+    weights the adapter changes: LoRA Linear/Embedding weights, a LoRA bias, ``target_parameters`` such as fused
+    MoE experts), with every quantity in fp32:
+
+    - ``Δ = scaling · B @ A`` (peft's delta; recomputed from fp32 factors where peft's is below fp32),
+    - ``d = cast(W + Δ) − cast(W)``: what the engine's weights actually move by (``cast``: to the yielded dtype;
+      ``W``: the base weight as the merge reads it, e.g. bf16, so ``cast(W) = W`` when both are bf16).
+
+    :meth:`metrics` gives ``sync_delta_kept = Σ⟨d, Δ⟩ / Σ‖Δ‖²`` (the share of the update that survives; 1 when
+    nothing is lost), ``sync_delta_rel_err = sqrt(Σ‖d − Δ‖² / Σ‖Δ‖²)``, and ``sync_delta_zeroed``: the fraction of
+    the entries with ``Δ ≠ 0`` whose ``d`` is 0 (updates rounded away entirely). NaN where undefined (``Δ = 0``
+    everywhere, e.g. peft's initial ``B = 0``).
+
+    Meant for a target dtype below fp32 (bf16/fp16 engines), though it measures whatever dtype is yielded (with
+    fp32 it only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor reduced in
+    fp32 by ``torch.dot``, accumulated in float64) so that the merge never waits on the device; :meth:`metrics` reads them (one
+    sync). Under FSDP2 every rank merges the unsharded (full) layer, so every rank accumulates the same sums and
+    no reduction is needed. Accumulates across calls until :meth:`reset`.
+    """
+
+    FIELDS = ("dot", "delta_sq", "err_sq", "nonzero", "zeroed")  # Σ⟨d,Δ⟩, Σ‖Δ‖², Σ‖d−Δ‖², #(Δ≠0), #(Δ≠0, d=0)
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # float64 [len(FIELDS)], on the device of the first merged tensor
+        self.entries = 0  # entries of the merged tensors measured
+        self.tensors = 0  # merged tensors measured
+
+    def reset(self) -> None:
+        self.__init__()
+
+    @torch.no_grad()
+    def add(self, base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> None:
+        """Account one merged tensor: ``base`` = cast(W) (the weight without the update, in the yielded dtype),
+        ``delta`` = Δ, ``merged`` = cast(W + Δ) (what is yielded)."""
+        delta = delta.detach().reshape(-1).float()
+        moved = merged.detach().reshape(-1).to(torch.float32, copy=True)  # one fresh fp32 buffer: d, then d − Δ
+        moved.sub_(base.detach().reshape(-1))  # in fp32 (a bf16 base is upcast exactly)
+        dot, delta_sq = torch.dot(moved, delta), torch.dot(delta, delta)
+        # Δ = 0 leaves an entry as it was (cast(W + 0) = cast(W)), so {d ≠ 0} ⊂ {Δ ≠ 0} and the entries that
+        # Δ ≠ 0 leaves unmoved number count(Δ ≠ 0) − count(d ≠ 0)
+        nonzero = torch.count_nonzero(delta)
+        counts = torch.stack([nonzero, nonzero - torch.count_nonzero(moved)])
+        err = moved.sub_(delta)
+        sums = torch.stack([dot, delta_sq, torch.dot(err, err)])
+        row = torch.cat([sums.to(torch.float64), counts.to(torch.float64)])
+        if self.sums is None:
+            self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=row.device)
+        self.sums += row.to(self.sums.device)
+        self.entries += delta.numel()
+        self.tensors += 1
+
+    def totals(self) -> dict[str, float]:
+        """The raw float64 sums (``FIELDS``; zeros before any merged tensor), with ``entries`` and ``tensors``."""
+        values = [0.0] * len(self.FIELDS) if self.sums is None else self.sums.tolist()
+        return {**dict(zip(self.FIELDS, values)), "entries": self.entries, "tensors": self.tensors}
+
+    def metrics(self) -> dict[str, float]:
+        """``sync_delta_kept``, ``sync_delta_rel_err``, ``sync_delta_zeroed`` (see the class docstring)."""
+        t = self.totals()
+        nan = float("nan")
+        return {
+            "sync_delta_kept": t["dot"] / t["delta_sq"] if t["delta_sq"] > 0 else nan,
+            "sync_delta_rel_err": (t["err_sq"] / t["delta_sq"]) ** 0.5 if t["delta_sq"] > 0 else nan,
+            "sync_delta_zeroed": t["zeroed"] / t["nonzero"] if t["nonzero"] > 0 else nan,
+        }
