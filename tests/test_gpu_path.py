@@ -403,12 +403,12 @@ def test_the_engine_is_in_process_whatever_the_environment_says(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", EnvironmentLLM)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # exported by the user after the import
     cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
-    RolloutEngine("m", **engine_args(cfg, "cuda"))
+    RolloutEngine.for_model("m", **engine_args(cfg, "cuda"))
     assert seen == [("0", False)]
     # vLLM caches its environment once an engine started: a cached 1 is refused by name
     monkeypatch.setattr(vllm.envs, "VLLM_ENABLE_V1_MULTIPROCESSING", True, raising=False)
     with pytest.raises(ConfigError, match="^VLLM_ENABLE_V1_MULTIPROCESSING=1 is cached"):
-        RolloutEngine("m", **engine_args(cfg, "cuda"))
+        RolloutEngine.for_model("m", **engine_args(cfg, "cuda"))
 
 
 def test_flash_attention_2_without_flash_attn_is_refused_at_config_time(monkeypatch):
