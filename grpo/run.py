@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,10 +149,15 @@ def keep_on_resume(line: dict, resumed_rollout_step: int) -> bool:
 def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
     if cfg.model.build_tiny:
-        if rank == 0:
-            from grpo.tiny_gsm8k import build_tiny_model
+        from grpo.tiny_gsm8k import build_tiny_model, is_built
 
+        if rank == 0:
             build_tiny_model(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed)
+        else:
+            # on a loaded machine the build can outlast a collective's timeout (30 min on gloo): wait for its files
+            # (should rank 0 fail, the launcher ends this process)
+            while not is_built(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed):
+                time.sleep(1)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
     name = cfg.model.name_or_path

@@ -145,6 +145,15 @@ def new_model(size: str, **config):
     return Qwen3ForCausalLM(Qwen3Config(**config, **SIZES[size]))
 
 
+def is_built(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 600, batch_size: int = 32,
+             learning_rate: float = 3e-3, slip_rate: float = 0.6) -> bool:
+    """Whether ``out_dir`` holds the model `build_tiny_model` builds with these arguments."""
+    args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate,
+                slip_rate=slip_rate)
+    info_path = Path(out_dir) / "build_info.json"
+    return info_path.exists() and json.loads(info_path.read_text()).get("args") == args
+
+
 def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 600,
                      batch_size: int = 32, learning_rate: float = 3e-3, slip_rate: float = 0.6) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
@@ -163,8 +172,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     out_dir = Path(out_dir)
     args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate,
                 slip_rate=slip_rate)
-    info_path = out_dir / "build_info.json"
-    if info_path.exists() and json.loads(info_path.read_text()).get("args") == args:
+    if is_built(out_dir, **args):
         return str(out_dir)
 
     start = time.perf_counter()
