@@ -41,6 +41,7 @@ __all__ = [
     "normalize_peft_param_name",
     "decoder_layers",
     "UnsupportedAdapterError",
+    "check_supported",
 ]
 
 _PEFT_PREFIX = "base_model.model."
@@ -188,6 +189,9 @@ def _check_supported(model: torch.nn.Module) -> str:
                     "(only Linear, Embedding and target_parameters)"
                 )
     return adapter
+
+
+check_supported = _check_supported  # public name for the lora_merge backend (merge.weight_transfer)
 
 
 @dataclass
