@@ -81,8 +81,12 @@ class LoraSettings:
 
 @dataclass
 class VLLMSettings:
-    """The colocated vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
+    """The vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
 
+    # colocate: one in-process engine per training rank; server: a separate `vllm serve` at server_url that the
+    # trainer syncs with LoRA-sized transfers (docs/server.md). The settings below that size an engine are colocate's
+    mode: str = "colocate"
+    server_url: str = "http://127.0.0.1:8000"  # vllm.mode=server: the server's address
     kv_cache_gb: float = 2.0  # explicit KV-cache size (vLLM's own sizing fails on small CPU machines)
     gpu_memory_utilization: float = 0.3  # GPU only: vLLM needs this share of the GPU free at start (TRL's default)
     enable_sleep_mode: bool = False  # GPU only: release weights and KV cache while the trainer updates (as TRL)
@@ -294,6 +298,7 @@ CHOICES = {
     "model.attn_implementation": ("packed_sdpa", "sdpa", "eager", "flash_attention_2"),
     "model.build_tiny": (None, "tiny", "small", "tiny-moe"),
     "lora.bias": ("none",),
+    "vllm.mode": ("colocate", "server"),
 }
 
 

@@ -22,6 +22,10 @@ device. The terms (per device, bytes):
                     LM head runs on response positions only, chunk by chunk, recomputed in the backward), or of
                     every packed token when logprob_chunk_size is null.
 
+vllm.mode=server: the engine runs on the server's devices, so none of the vLLM terms count on a training device;
+the plan gives the server's own (``server``: its weights, the pristine copy of the targeted base weights that the
+lora_merge backend keeps, in host memory by default, KV cache and runtime).
+
 Phases: sync (shard + LoRA/AdamW + vLLM weights + unsharded layers), rollout (shard + LoRA/AdamW + vLLM
 weights + KV cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + activations, plus vLLM's weights and KV
 cache unless vllm.enable_sleep_mode releases them). An estimate, not a measurement: allocator fragmentation
@@ -51,8 +55,13 @@ def _parameter_counts(model_config, target_modules: list[str], rank: int) -> dic
     lora = sum(rank * (module.in_features + module.out_features)
                for layer in layers for name, module in layer.named_modules()
                if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules)
+    # the lora_merge server's pristine copy: every block (attention, MLP) holding a target, siblings included
+    targeted = sum(sum(p.numel() for p in block.parameters())
+                   for layer in layers for block in layer.children()
+                   if any(name.rsplit(".", 1)[-1] in target_modules for name, _ in block.named_modules()))
     return dict(total=sum(p.numel() for p in model.parameters()),
-                layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers), lora=lora)
+                layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers), lora=lora,
+                targeted=targeted)
 
 
 def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: bool) -> int:
@@ -99,6 +108,11 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
         "vLLM runtime": _vllm_runtime_bytes(model_config, cfg, world),
         "activations": _activation_bytes(model_config, cfg, compute_bytes, checkpointing),
     }
+    server = None
+    if cfg.vllm.mode == "server":
+        server = {name: terms[name] for name in ("vLLM weights", "KV cache", "vLLM runtime")}
+        server["pristine base (host)"] = counts["targeted"] * weight_bytes
+        terms.update({name: 0.0 for name in ("vLLM weights", "KV cache", "vLLM runtime")})
     trainer = terms["policy shard"] + terms["LoRA + AdamW"]
     engine = terms["vLLM weights"] + terms["KV cache"] + terms["vLLM runtime"]
     phases = {
@@ -107,7 +121,7 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
         "update": trainer + terms["unsharded layers"] + terms["activations"]
         + (0 if cfg.vllm.enable_sleep_mode else engine),
     }
-    return dict(terms=terms, phases=phases, parameters=counts)
+    return dict(terms=terms, phases=phases, parameters=counts, server=server)
 
 
 def device_memory_bytes(device: torch.device) -> float:
@@ -170,6 +184,9 @@ def main() -> None:
             print(f"\n{cfg.model.name_or_path}, {world} device(s), gradient_checkpointing={checkpointing}, "
                   f"sleep mode {cfg.vllm.enable_sleep_mode}:")
             print(format_plan(plan, args.device_gib * GIB))
+            if plan["server"]:
+                print("  the server's own memory (vllm.mode=server): "
+                      + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in plan["server"].items()))
             problem = check_fits(plan, args.device_gib * GIB, cfg)
             print("fits" if problem is None else "does NOT fit")
 
