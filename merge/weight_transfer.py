@@ -543,11 +543,15 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             call.result()
         finally:
             pool.shutdown(wait=False)  # never wait on a call stuck behind a failed transfer
-        # a trainer that died between /start_weight_update and /finish_weight_update left the workers inside an
-        # update; init discarded its buffers, so closing that update changes nothing (and fails when there is none)
-        with contextlib.suppress(Exception):
-            self.client.finish_weight_update()
         self.targets = targets
+
+    def _start(self) -> None:
+        try:
+            self.client.start_weight_update()
+        except Exception:  # noqa: BLE001 - the workers are inside an update that a killed trainer left open
+            # init discarded that update's buffers: closing it changes nothing; then start ours
+            self.client.finish_weight_update()
+            self.client.start_weight_update()
 
     def send_weights(self, model=None, weight_version: str | None = None) -> dict[str, float]:
         """Send the adapter's current factors; the server serves ``W_base + update`` as ``weight_version`` once
@@ -565,7 +569,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         entries, buffers = update.packed()
         info = LoraMergeUpdateInfo(entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})
         device = _wire_device(self.init_info.transport)
-        self.client.start_weight_update()
+        self._start()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             call = pool.submit(self.client.update_weights, asdict(info))

@@ -26,7 +26,7 @@ done
 VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model cache/tiny-qwen3-gsm8k \
     --host 127.0.0.1 --port 8011 --dtype float32 --enforce-eager --max-model-len 160 --kv-cache-memory-bytes 268435456 \
     --enable-scale-out --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs \
-    --no-enable-prefix-caching > "${TMPDIR:-/tmp}/tiny-cpu-server.serve.log" 2>&1 &
+    --no-enable-prefix-caching --max-num-batched-tokens 16384 > "${TMPDIR:-/tmp}/tiny-cpu-server.serve.log" 2>&1 &
 server=$!
 until curl -sf http://127.0.0.1:8011/health > /dev/null; do kill -0 $server; sleep 2; done
 "${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8011 run_name=tiny-cpu-server

@@ -36,7 +36,8 @@ def serve(model: str, port: int, log_path: Path, *extra: str) -> subprocess.Pope
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                "--kv-cache-memory-bytes", str(64 * 2**20), "--max-num-seqs", "16", "--enable-scale-out",
-               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching", *extra]
+               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching", "--max-num-batched-tokens", "8192",
+               *extra]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
 
