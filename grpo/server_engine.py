@@ -101,7 +101,9 @@ class ServerEngine:
                 "checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last") from None
         if response.status_code >= 400:
             raise ServerError(f"{method} {self.url}{path} -> {response.status_code}: {response.text[:500]}")
-        return response.json() if response.content else {}
+        if "json" not in response.headers.get("content-type", ""):
+            return {}  # e.g. /v1/load_lora_adapter answers in plain text
+        return response.json()
 
     def _get(self, path: str):
         return self._request("GET", path)
@@ -172,18 +174,19 @@ class ServerEngine:
 
     def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:
         save_adapter(model, adapter_dir, self.rank)
+        name, previous = f"policy-{version}", self.lora_name
+        self.lora_name = name  # every rank generates with it, once rank 0 has loaded it
         if self.rank != 0:
             return {}
-        name = f"policy-{version}"
         self._post("/pause", params={"mode": "wait"})
         try:
-            if self.lora_name is not None:
-                self._post("/v1/unload_lora_adapter", json={"lora_name": self.lora_name})
-            self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir)})
+            if previous is not None:
+                self._post("/v1/unload_lora_adapter", json={"lora_name": previous})
+            self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir),
+                                                        "load_inplace": True})  # a resumed run reloads its name
             self._post("/update_weight_version", json={"new_version": str(version)})
         finally:
             self._post("/resume")
-        self.lora_name = name
         return {}
 
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
