@@ -209,11 +209,19 @@ class FakeServer:
                 self.reply(200, {"data": [{"id": "served"}]} if self.path == "/v1/models" else {})
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if self.path == "/collective_rpc":
                     self.reply(200 if backend else 500, {})
+                elif self.path == "/inference/v1/generate":
+                    if "token_ids" not in body:
+                        self.reply(422, {})
+                    else:  # one completion, sampled from weight version "7"
+                        self.reply(200, {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
+                                                      "logprobs": {"content": [{"token_id": 5, "logprob": -1.0},
+                                                                               {"token_id": 6, "logprob": -2.0}]},
+                                                      "weight_versions": [{"version": "7", "start": 0, "end": 2}]}]})
                 else:
-                    self.reply(422 if self.path == "/inference/v1/generate" else 200, {})
+                    self.reply(200, {})
 
             def log_message(self, *args):
                 pass
@@ -245,13 +253,40 @@ def test_unreachable_server_and_server_without_the_backend_are_one_line_each():
         fake.stop()
 
 
-def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tiny_model):
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    from grpo.tiny_gsm8k import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
+    from vllm import SamplingParams
+
+    from grpo.rollout_engine import EngineStateError
+    from grpo.server_engine import ServerEngine
+
+    fake = FakeServer(backend=True)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir)
+        engine.version = "7"
+        [sample] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=0))
+        assert sample.completion_ids == [5, 6] and sample.logprobs == [-1.0, -2.0] and sample.truncated
+        engine.version = "8"  # the trainer pushed 8; the server answers from 7
+        with pytest.raises(EngineStateError, match=r"weight version\(s\) \['7'\], not '8'"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=0))
+    finally:
+        fake.stop()
+
+
+def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_dir):
     from vllm import SamplingParams
 
     from grpo.server_engine import ServerEngine, ServerError
 
     fake = FakeServer(backend=True)
-    engine = ServerEngine(fake.url, tiny_model)
+    engine = ServerEngine(fake.url, tokenizer_dir)
     engine.version = "3"
     fake.stop()
     with pytest.raises(ServerError, match="resume_from_checkpoint=last") as caught:
@@ -274,3 +309,19 @@ def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_
         engine.sync_policy(other, None, version=99, rank=0)
     assert requests.get(f"{url}/is_paused").json()["is_paused"] is False  # resumed after the refusal
     engine.close()
+
+
+def test_memory_plan_in_server_mode_counts_no_vllm_memory_on_training_devices():
+    from grpo.config import load_config
+    from grpo.memory_plan import memory_plan
+    from grpo.qwen3_4b_shape import qwen3_4b_config
+
+    config = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
+    colocate = memory_plan(qwen3_4b_config(), load_config(config, []), world=4)
+    server = memory_plan(qwen3_4b_config(), load_config(config, ["vllm.mode=server"]), world=4)
+    assert colocate["server"] is None and colocate["terms"]["vLLM weights"] > 0
+    assert all(server["terms"][name] == 0 for name in ("vLLM weights", "KV cache", "vLLM runtime"))
+    assert server["server"]["vLLM weights"] == colocate["terms"]["vLLM weights"]
+    # the pristine copy: the targeted blocks (all attention and MLP weights here), less than the whole model
+    assert 0.5 * server["server"]["vLLM weights"] < server["server"]["pristine base (host)"] < server["server"]["vLLM weights"]
+    assert server["phases"]["rollout"] < colocate["phases"]["rollout"]
