@@ -57,7 +57,8 @@ def serve_command(model: str, merge: bool = True, port: int = 8000) -> str:
     env = "VLLM_SERVER_DEV_MODE=1" + ("" if merge else " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
     return (f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} --port {port} "
             "--enable-scale-out --weight-transfer-config '{\"backend\": \"lora_merge\"}' "
-            f"--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 {lora}".strip())
+            "--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 "
+            f"{lora}".strip())
 
 
 def _sampling_json(sampling, seed: int) -> dict:

@@ -64,15 +64,15 @@ def main(out_path: str) -> None:
         for name, param in embedding_only.named_parameters():
             if "lora_B" in name:  # every LoRA but the embedding's (whose factors are lora_embedding_*)
                 param.zero_()
-    result = dict(base_error=largest_error(base),
-                  lora_effect=(expected_first - base).abs().max().item(),
-                  embedding_lora_effect=(hf_logprobs(embedding_only.merge_and_unload(), tokens) - base).abs().max().item())
-    targets = trainer.send_weights(first, weight_version="1")
+    embedding_effect = (hf_logprobs(embedding_only.merge_and_unload(), tokens) - base).abs().max().item()
+    result = dict(base_error=largest_error(base), lora_effect=(expected_first - base).abs().max().item(),
+                  embedding_lora_effect=embedding_effect)
+    stats = trainer.send_weights(first, weight_version="1")
     result["first_error"] = largest_error(expected_first)
     trainer.send_weights(second, weight_version="2")
     result["second_error"] = largest_error(expected_second)
     result["weight_version"] = llm.get_weight_version()
-    result["sync_delta_kept"] = targets.get("sync_delta_kept")
+    result["sync_delta_kept"] = stats.get("sync_delta_kept")
     with open(out_path, "w") as f:
         json.dump(result, f)
     print(json.dumps(result))

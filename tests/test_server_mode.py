@@ -36,8 +36,8 @@ def serve(model: str, port: int, log_path: Path, *extra: str) -> subprocess.Pope
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                "--kv-cache-memory-bytes", str(64 * 2**20), "--max-num-seqs", "16", "--enable-scale-out",
-               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching", "--max-num-batched-tokens", "8192",
-               *extra]
+               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
+               "--max-num-batched-tokens", "8192", *extra]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
 
@@ -323,5 +323,6 @@ def test_memory_plan_in_server_mode_counts_no_vllm_memory_on_training_devices():
     assert all(server["terms"][name] == 0 for name in ("vLLM weights", "KV cache", "vLLM runtime"))
     assert server["server"]["vLLM weights"] == colocate["terms"]["vLLM weights"]
     # the pristine copy: the targeted blocks (all attention and MLP weights here), less than the whole model
-    assert 0.5 * server["server"]["vLLM weights"] < server["server"]["pristine base (host)"] < server["server"]["vLLM weights"]
+    weights, pristine = server["server"]["vLLM weights"], server["server"]["pristine base (host)"]
+    assert 0.5 * weights < pristine < weights
     assert server["phases"]["rollout"] < colocate["phases"]["rollout"]
