@@ -31,7 +31,6 @@ transformers' conversion, applied to the delta; Linear and Embedding LoRA are se
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
