@@ -290,6 +290,7 @@ RANGES = {
     "padding.logprob_chunk_size": (_at_least(1), ">= 1 (or null: full logits)"),
     "vllm.max_lora_rank": (lambda v: v in VLLM_LORA_RANKS, f"one of vLLM's {list(VLLM_LORA_RANKS)}"),
     "vllm.max_logprob_diff": (_above(0), "> 0"),
+    "vllm.server_url": (lambda v: v.startswith(("http://", "https://")), "an http(s):// URL (http://127.0.0.1:8000)"),
 }
 CHOICES = {
     "lr_scheduler_type": ("constant", "linear", "cosine"),
