@@ -106,8 +106,14 @@ class LoraSettings:
 
 @dataclass
 class VLLMSettings:
-    """The colocated vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
+    """The vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
 
+    mode: str = setting("colocate", "colocate: one in-process engine per training rank; server: a separate `vllm serve` "
+                        "at server_url, synced with LoRA-sized transfers (docs/server.md); the settings that size "
+                        "an engine below are colocate's", choices=("colocate", "server"))
+    server_url: str = setting("http://127.0.0.1:8000", "vllm.mode=server: the server's address",
+                              range="an http(s):// URL (http://127.0.0.1:8000)",
+                              check=lambda v: v.startswith(("http://", "https://")))
     kv_cache_gb: float = setting(2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)",
                                  range="> 0")
     gpu_memory_utilization: float = setting(0.3, "GPU only: vLLM needs this share of the GPU free at start (TRL's "

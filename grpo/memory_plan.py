@@ -29,6 +29,10 @@ device. The terms (per device, bytes):
   vLLM CUDA graphs  vLLM 0.32's sleep mode releases weights and KV cache but keeps its CUDA graphs on the GPU
                     (sleep_mode_offload_cudagraph defaults to False): the 1 GiB margin stays in the update phase
 
+vllm.mode=server: the engine runs on the server's devices, so none of the vLLM terms count on a training device;
+the plan gives the server's own (``server``: its weights, the pristine copy of the targeted base weights that the
+lora_merge backend keeps, in host memory by default, KV cache and runtime).
+
 Phases: sync (shard + LoRA/AdamW + vLLM weights + sync copies), rollout (shard + LoRA/AdamW + vLLM weights + KV
 cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + unsharded root + activations, plus vLLM's
 weights, KV cache and runtime unless vllm.enable_sleep_mode releases them, which leaves the CUDA graphs). An
@@ -61,8 +65,12 @@ def _parameter_counts(model_config, target_modules: list[str], rank: int) -> dic
     total = sum(p.numel() for p in model.parameters())
     # FSDP2's root group: what no decoder layer holds (embedding, tied or own lm_head, final norm)
     root = total - sum(p.numel() for layer in layers for p in layer.parameters())
+    # the lora_merge server's pristine copy: every block (attention, MLP) holding a target, siblings included
+    targeted = sum(sum(p.numel() for p in block.parameters())
+                   for layer in layers for block in layer.children()
+                   if any(name.rsplit(".", 1)[-1] in target_modules for name, _ in block.named_modules()))
     return dict(total=total, layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers), lora=lora,
-                root=root)
+                root=root, targeted=targeted)
 
 
 def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: bool) -> int:
@@ -127,6 +135,13 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
         "vLLM CUDA graphs": GIB if cfg.vllm.enable_sleep_mode and not cfg.vllm.enforce_eager else 0,
         "activations": _activation_bytes(model_config, cfg, compute_bytes, checkpointing),
     }
+    server = None
+    if cfg.vllm.mode == "server":
+        server = {name: terms[name] for name in ("vLLM weights", "KV cache", "vLLM runtime")}
+        server["pristine base (host)"] = counts["targeted"] * weight_bytes
+        # a server sync gathers LoRA factors only (no base weights unsharded, no engine here to rebuild a layer)
+        terms.update({name: 0.0 for name in ("vLLM weights", "KV cache", "vLLM runtime", "vLLM CUDA graphs",
+                                             "sync copies")})
     trainer = terms["policy shard"] + terms["LoRA + AdamW"]
     engine = terms["vLLM weights"] + terms["KV cache"] + terms["vLLM runtime"]
     phases = {
@@ -135,7 +150,7 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
         "update": trainer + terms["unsharded layers"] + terms["unsharded root"] + terms["activations"]
         + (terms["vLLM CUDA graphs"] if cfg.vllm.enable_sleep_mode else engine),
     }
-    return dict(terms=terms, phases=phases, parameters=counts)
+    return dict(terms=terms, phases=phases, parameters=counts, server=server)
 
 
 def device_memory_bytes(device: torch.device) -> float:
@@ -198,6 +213,9 @@ def main() -> None:
             print(f"\n{cfg.model.name_or_path}, {world} device(s), gradient_checkpointing={checkpointing}, "
                   f"sleep mode {cfg.vllm.enable_sleep_mode}:")
             print(format_plan(plan, args.device_gib * GIB))
+            if plan["server"]:
+                print("  the server's own memory (vllm.mode=server): "
+                      + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in plan["server"].items()))
             problem = check_fits(plan, args.device_gib * GIB, cfg)
             print("fits" if problem is None else "does NOT fit")
 

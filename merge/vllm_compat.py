@@ -21,10 +21,11 @@ from peft.tuners.lora import LoraLayer, ParamWrapper
 
 from merge.layers import normalize_peft_param_name
 
-__all__ = ["reload_vllm_weights", "in_process_model", "vllm_unservable_lora_targets", "has_fused_experts"]
+__all__ = ["reload_vllm_weights", "in_process_model", "vllm_unservable_lora_targets", "has_fused_experts",
+           "reload_repacking_cpu_experts"]
 
 
-def _reload_repacking_cpu_experts(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> int:
+def reload_repacking_cpu_experts(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Runs inside the vLLM worker: ``reload_weights`` with CPU expert layers set up as on a first load.
 
     Dropping a CPU expert layer's kernel before the reload makes vLLM take its first-load path for the layers
@@ -67,7 +68,7 @@ def reload_vllm_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> Non
     except that CPU MoE expert weights are repacked for the kernel (see the module docstring); the prefix cache
     is reset, since it holds KV computed with the old weights.
     """
-    llm.collective_rpc(_reload_repacking_cpu_experts, kwargs=dict(weights_iterator=weights))
+    llm.collective_rpc(reload_repacking_cpu_experts, kwargs=dict(weights_iterator=weights))
     llm.reset_prefix_cache()
 
 

@@ -52,7 +52,8 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def label(rows: list[dict], config: dict) -> str:
-    """What tells a run apart: how vLLM serves the policy, the trainer, the padding rule, the dtype, an MoE model."""
+    """What tells a run apart: how vLLM serves the policy (and where), the trainer, the padding rule, the dtype, an
+    MoE model."""
     first = rows[0]
     text = "TRL GRPOTrainer + merged sync" if first.get("trainer") == "trl" else (
         "merged weights" if first.get("merge") else "vLLM LoRA")
@@ -60,7 +61,9 @@ def label(rows: list[dict], config: dict) -> str:
     dtype = model.get("dtype") or config.get("dtype")
     # the standalone recipe's attention when not its default (TRL's trainer runs padded batches)
     attention = model.get("attn_implementation") or "packed_sdpa"
-    extras = [("legacy padding" if first.get("legacy_slice") else None),
+    vllm = config.get("vllm") if isinstance(config.get("vllm"), dict) else {}
+    extras = [("vllm serve" if vllm.get("mode") == "server" else None),
+              ("legacy padding" if first.get("legacy_slice") else None),
               ({"bfloat16": "bf16", "float16": "fp16"}.get(dtype)),
               ("MoE" if "moe" in str(model.get("build_tiny")) else None),
               (f"{attention} attention" if attention != "packed_sdpa" and first.get("trainer") != "trl" else None)]

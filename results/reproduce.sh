@@ -11,7 +11,7 @@ tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml output_dir
 # Clear the earlier runs first: beside an earlier run's checkpoints (not committed) a new run would go to
 # <run_name>-2 instead of replacing it.
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
-       results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-*
+       results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-* results/tiny-cpu-server
 "${launch[@]}" "${tiny[@]}"                                    # README's main command, written into results/
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
@@ -24,11 +24,20 @@ for dtype in float32 bfloat16 float16; do
   done
 done
 "${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_moe_cpu.yaml output_dir=results
+# vllm.mode=server (docs/server.md): the main run's config with rollouts from a `vllm serve` on the same machine
+VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model cache/tiny-qwen3-gsm8k \
+    --host 127.0.0.1 --port 8011 --dtype float32 --enforce-eager --max-model-len 160 --kv-cache-memory-bytes 268435456 \
+    --enable-scale-out --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs \
+    --no-enable-prefix-caching --max-num-batched-tokens 16384 > "${TMPDIR:-/tmp}/tiny-cpu-server.serve.log" 2>&1 &
+server=$!
+until curl -sf http://127.0.0.1:8011/health > /dev/null; do kill -0 $server; sleep 2; done
+"${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8011 run_name=tiny-cpu-server
+kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml --output_dir results
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \
-    results/tiny-moe-cpu-merge results/trl-tiny-cpu --out results/grpo_variants.png
+    results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-server --out results/grpo_variants.png
 .venv/bin/python recipes/plot_metrics.py results/precision/{fp32,bf16,fp16}-{merge,lora} --out results/grpo_precision.png
 .venv/bin/python recipes/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
 .venv/bin/python recipes/bench_sync.py --out results/bench_sync.json

@@ -104,7 +104,8 @@ BAD_VALUES = {
     "lora.init_lora_weights": "maybe", "lora.target_parameters": "[]",
     "vllm.kv_cache_gb": "0", "vllm.gpu_memory_utilization": "1.5", "vllm.enable_sleep_mode": "maybe",
     "vllm.enforce_eager": "maybe", "vllm.max_num_seqs": "0", "vllm.max_num_batched_tokens": "0",
-    "vllm.max_lora_rank": "24",
+    "vllm.max_lora_rank": "24", "vllm.mode": "remote",
+    "vllm.server_url": "127.0.0.1:8000",
     "vllm.max_logprob_diff": "0", "vllm.verify_sync": "maybe", "vllm.sync_precision_stats": "maybe", "vllm.sync": "maybe",
     "padding.legacy_slice": "maybe", "padding.logprob_chunk_size": "0",
 }

