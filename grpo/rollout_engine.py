@@ -22,7 +22,6 @@ import contextlib
 import logging
 import math
 import os
-from dataclasses import dataclass
 
 # The engine lives in the trainer's process whatever the environment says: with 1, vLLM would run it in a
 # subprocess, out of reach of the weight push and of `in_process_model` (see `in_process_vllm`).
@@ -33,28 +32,13 @@ import torch
 from grpo.checkpointing import save_adapter
 from grpo.config import VLLM_LORA_RANKS, ConfigError
 from grpo.faults import NonFiniteError
+from grpo.engine import EngineStateError, Sample
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params
 from merge.vllm_compat import in_process_model, reload_vllm_weights
 
 
-@dataclass
-class Sample:
-    """One completion of one prompt, as the engine sampled it."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    text: str
-    logprobs: list[float]  # log-prob of each sampled token under the (tempered) sampling distribution
-    truncated: bool  # stopped by max_tokens rather than by EOS
-    prompt_index: int  # index into the prompt list given to `generate`
-
-
 class WeightPushError(RuntimeError):
     """vLLM's modules did not all receive a tensor in a weight push; the engine would serve stale weights."""
-
-
-class EngineStateError(RuntimeError):
-    """A generation the engine cannot serve as asked: outside a generation phase, or on discarded weights."""
 
 
 # vLLM's in-place reload reports, in its log, each layer that got no tensor ("<Class>: Failed to load weights",

@@ -34,7 +34,8 @@ from grpo.memory_plan import check_fits, device_memory_bytes, format_plan, memor
 from grpo.parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_same_weights,
                            check_shared_output_dir, fsdp_settings, init_distributed)
 from grpo.rollout_engine import RolloutEngine, check_vllm_lora_targets, recipe_llm_kwargs
-from grpo.server_engine import Engine, ServerEngine
+from grpo.engine import Engine
+from grpo.server_engine import ServerEngine
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")

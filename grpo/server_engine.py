@@ -1,4 +1,4 @@
-"""The rollout engine as a client of a separate ``vllm serve`` (vllm.mode=server), and the one engine interface.
+"""The rollout engine as a client of a separate ``vllm serve`` (vllm.mode=server).
 
     engine = ServerEngine.from_config(cfg, rank=rank, world=world, device_type="cpu")
     with engine.awake():                                           # a generation phase (nothing to wake here)
@@ -24,25 +24,11 @@ import contextlib
 import shlex
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
 
 import torch
 
 from grpo.checkpointing import save_adapter
-from grpo.rollout_engine import EngineStateError, Sample
-
-
-class Engine(Protocol):
-    """What the recipe, ``grpo.run`` and the benchmarks need of a rollout engine (`RolloutEngine`: colocated,
-    in-process; `ServerEngine`: a separate ``vllm serve``)."""
-
-    def awake(self) -> contextlib.AbstractContextManager: ...  # one generation phase: wake, then sleep at the end
-
-    def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]: ...
-
-    def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]: ...
-
-    def close(self) -> None: ...
+from grpo.engine import EngineStateError, Sample
 
 
 class ServerError(RuntimeError):

@@ -17,7 +17,8 @@ from grpo.memory_plan import GIB, check_fits, memory_plan
 from grpo.parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
 from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
 from qwen3_lora import tiny_lora
-from grpo.rollout_engine import EngineStateError, RolloutEngine, engine_kwargs, recipe_engine_args, recipe_llm_kwargs
+from grpo.engine import EngineStateError
+from grpo.rollout_engine import RolloutEngine, engine_kwargs, recipe_engine_args, recipe_llm_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"

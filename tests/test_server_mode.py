@@ -264,7 +264,7 @@ def tokenizer_dir(tmp_path):
 def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
     from vllm import SamplingParams
 
-    from grpo.rollout_engine import EngineStateError
+    from grpo.engine import EngineStateError
     from grpo.server_engine import ServerEngine
 
     fake = FakeServer(backend=True)
