@@ -3,8 +3,9 @@
 The served log-probs after a push are those of peft's ``merge_and_unload()`` model; a second push leaves no trace of
 the first; a trainer killed between /start_weight_update and /finish_weight_update leaves the server on the
 previous complete version; a trainer rank killed during a sync of the recipe leaves the server serving its last
-complete version, and the run resumed against the same server ends as an uninterrupted run. MoE expert LoRA and LoRA on embeddings: an in-process ``LLM`` with the same backend
-(tests/lora_merge_moe_worker.py), cheaper than a second server.
+complete version, and the run resumed against the same server ends as an uninterrupted run. MoE expert LoRA and
+LoRA on embeddings: an in-process ``LLM`` with the same backend (tests/lora_merge_moe_worker.py), cheaper than a
+second server.
 """
 
 import copy
