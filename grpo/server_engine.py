@@ -6,7 +6,7 @@
         samples = engine.generate(prompt_ids, sampling)            # every rank sends its own prompts
 
 lora.merge=true: the sync sends the LoRA factors through the ``lora_merge`` weight-transfer backend
-(`merge.weight_transfer`), between ``/pause`` and ``/resume``; the server merges them into its pristine base.
+(`merge.weight_transfer`); the server merges them into its pristine base between ``/pause`` and ``/resume``.
 lora.merge=false: rank 0 saves the adapter where the server can read it and loads it with vLLM's
 ``/v1/load_lora_adapter`` (the comparison mode). Either way the server's weight version becomes the rollout step,
 and every completion must come back sampled from that version (``weight_versions``): another version stops the run
@@ -153,13 +153,10 @@ class ServerEngine:
         if self.rank != 0:
             self.transfer.send_weights(model)  # the gather is a collective
             return {}
-        self._post("/pause", params={"mode": "wait"})
-        try:
+        try:  # the server pauses only while it merges (`HTTPPausingWeightSyncClient`)
             stats = self.transfer.send_weights(model, weight_version=str(version))
         except WeightTransferError as error:
             raise ServerError(f"weight sync to {self.url} refused: {error}") from None
-        finally:
-            self._post("/resume")
         return {**{k: v for k, v in stats.items() if v == v}, **self.transfer.last_sync}
 
     def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:

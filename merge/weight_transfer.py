@@ -463,6 +463,33 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class HTTPPausingWeightSyncClient:
+    """vLLM's HTTP weight-sync control plane (`HTTPVLLMWeightSyncClient`), with the one call that changes the served
+    model, ``/finish_weight_update``, between ``/pause`` (mode=wait: requests in flight finish on the previous
+    weights; the prefix cache is cleared) and ``/resume``. Only the merge is paused: a trainer that dies while it
+    gathers or sends the factors leaves the server serving its last complete version, not paused."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.http = HTTPVLLMWeightSyncClient(base_url, timeout=timeout)
+        self.init_weight_transfer_engine = self.http.init_weight_transfer_engine
+        self.start_weight_update = self.http.start_weight_update
+        self.update_weights = self.http.update_weights
+
+    def _post(self, path: str, **kwargs) -> None:
+        import requests
+
+        requests.post(f"{self.http.base_url}{path}", timeout=self.http.timeout, **kwargs).raise_for_status()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            self.http.finish_weight_update(weight_version)
+        finally:
+            self._post("/resume")
+
+
 class LLMWeightSyncClient:
     """vLLM's weight-sync control plane (`VLLMWeightSyncClient`) on an in-process ``vllm.LLM``."""
 
@@ -516,11 +543,9 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
 
     @classmethod
     def connect(cls, url_or_llm, *, rank: int, timeout: float = 600.0, **settings) -> "LoraMergeTrainer":
-        """A trainer engine driving the server at a URL through vLLM's HTTP RL routes, or an in-process ``LLM``
-        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it."""
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-        client = (HTTPVLLMWeightSyncClient(url_or_llm, timeout=timeout) if isinstance(url_or_llm, str)
+        """A trainer engine driving the server at a URL through vLLM's HTTP RL routes (`HTTPPausingWeightSyncClient`),
+        or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it."""
+        client = (HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout) if isinstance(url_or_llm, str)
                   else LLMWeightSyncClient(url_or_llm))
         return cls(client=client, init_info=LoraMergeTrainerInitInfo(rank=rank, timeout_s=timeout, **settings))
 

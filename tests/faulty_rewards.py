@@ -2,6 +2,8 @@
 
 import os
 
+from grpo.rewards import gsm8k_exact_answer_reward
+
 _calls = 0
 
 
@@ -19,3 +21,24 @@ def flat_for_two_steps(completions, **kwargs) -> list[float]:
     global _calls
     _calls += 1
     return [1.0 if _calls <= 2 else float(len(c) % 2) for c in completions]
+
+
+def exact_answer_then_sigkill_rank0_in_sync(completions, answer, **kwargs) -> list[float]:
+    """grpo.rewards' exact-answer reward; with SIGKILL_RANK0_IN_SYNC=<k> in the environment (set by the test for one
+    run only), rank 0 kills itself with SIGKILL in the weight sync that follows its k-th call: after
+    /start_weight_update, while the server's workers wait for the LoRA factors of the update."""
+    global _calls
+    _calls += 1
+    if os.environ.get("RANK", "0") == "0" and str(_calls) == os.environ.get("SIGKILL_RANK0_IN_SYNC"):
+        import signal
+        import time
+
+        from merge import weight_transfer
+
+        def killed_while_sending(group, tensor):
+            time.sleep(1.0)  # /update_weights reaches the server: its workers wait in the broadcast
+            print("SIGKILL rank 0 in the weight sync, before the factors are sent", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        weight_transfer._broadcast = killed_while_sending  # the trainer's side only: the server is another process
+    return gsm8k_exact_answer_reward(completions, answer)

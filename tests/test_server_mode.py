@@ -2,8 +2,10 @@
 
 The served log-probs after a push are those of peft's ``merge_and_unload()`` model; a second push leaves no trace of
 the first; a trainer killed between /start_weight_update and /finish_weight_update leaves the server on the
-previous complete version. MoE expert LoRA and LoRA on embeddings: an in-process ``LLM`` with the same backend
-(tests/lora_merge_moe_worker.py), cheaper than a second server.
+previous complete version; a trainer rank killed during a sync of the recipe leaves the server serving its last
+complete version, and the run resumed against the same server ends as an uninterrupted run. MoE expert LoRA and
+LoRA on embeddings: an in-process ``LLM`` with the same backend (tests/lora_merge_moe_worker.py), cheaper than a
+second server.
 """
 
 import copy
@@ -20,6 +22,7 @@ import pytest
 import requests
 import torch
 
+from recipe_runs import launch, launch_command, launch_env, read_metrics
 from torchrun import WORKER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,6 +173,52 @@ def test_trainer_killed_between_start_and_finish_leaves_the_previous_version(ser
     engine.sync_policy(policy(model_dir, seed=5), None, version=11, rank=0)
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "11"
     engine.close()
+
+
+def deterministic(line: dict) -> dict:
+    """A metrics.jsonl line less what depends on the clock or the machine (timings, throughputs, memory)."""
+    return {k: v for k, v in line.items() if not k.endswith(("_s", "_per_s")) and not k.startswith("peak_mem")}
+
+
+def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_server(server, tmp_path):
+    """The recipe on 2 ranks, 3 rollout steps, a checkpoint after each. Rank 0 SIGKILLed in rollout step 3's sync
+    while the server waits for the factors: the server keeps serving version 2, unpaused. The run resumed from its
+    last checkpoint against the same server re-syncs before its first rollout (server-side seeds come from the
+    checkpointed RNG), and its metrics equal an uninterrupted run's, every deterministic key of every line."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from grpo.server_engine import ServerEngine
+
+    url, model_dir = server
+    overrides = ["vllm.mode=server", f"vllm.server_url={url}", "save_steps=2",
+                 "reward_funcs=[faulty_rewards:exact_answer_then_sigkill_rank0_in_sync]"]
+    reference, expected = launch(tmp_path / "uninterrupted", model_dir, *overrides)
+    assert reference.returncode == 0, reference.stderr[-5000:]
+
+    out = tmp_path / "killed"
+    killed = subprocess.run(launch_command(out, model_dir, *overrides), cwd=ROOT, capture_output=True, text=True,
+                            env={**launch_env(), "SIGKILL_RANK0_IN_SYNC": "2"}, timeout=900)
+    assert killed.returncode != 0 and "SIGKILL rank 0 in the weight sync" in killed.stdout, killed.stderr[-5000:]
+    assert [m["rollout_step"] for m in read_metrics(out)] == [1, 2]
+    assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
+    assert requests.get(f"{url}/is_paused").json()["is_paused"] is False
+    # version 2 is the policy after rollout step 1: checkpoint-2's adapter, merged
+    engine = ServerEngine(url, model_dir)
+    engine.version = "2"
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mean, largest, _ = served_vs_merged(engine, PeftModel.from_pretrained(base, str(out / "run" / "checkpoint-2")))
+    engine.close()
+    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+
+    resumed, metrics = launch(out, model_dir, *overrides, "resume_from_checkpoint=last")
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert "continuing at rollout step 3 of 3" in resumed.stderr
+    assert requests.get(f"{url}/weight_info").json()["weight_version"] == "3"  # its own push, numbered as before
+    got, want = [deterministic(m) for m in metrics], [deterministic(m) for m in expected]
+    print(f"compared {sum(len(line) for line in want)} keys x lines ({len(want)} lines)")
+    assert len(want) == 3 and len(want[0]) > 20
+    assert got == want
 
 
 def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
