@@ -72,9 +72,9 @@ MODELS = {  # name -> engine dtype
 SCORE_PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
 
 
-def model_dir(name: str, cache: Path) -> str:
+def model_dir(name: str, cache: Path, tiny_model: str | None = None) -> str:
     if name == "tiny":
-        return build_tiny_model(cache / "tiny-qwen3-gsm8k")
+        return tiny_model or build_tiny_model(cache / "tiny-qwen3-gsm8k")
     if name == "small":
         return build_tiny_model(cache / "bench-small", size="small", seed=0, warmup_steps=0)
     from grpo.qwen3_4b_shape import build_qwen3_4b_shape
@@ -216,7 +216,7 @@ def greedy_logprobs(engine: ServerEngine, max_tokens: int = 16) -> list[float]:
 # ----------------------------------------------------------------------------- the benchmark
 def bench_sync(name: str, args, log_dir: Path) -> dict:
     dtype = MODELS[name]
-    model = model_dir(name, args.cache)
+    model = model_dir(name, args.cache, args.tiny_model)
     peft_model = policy(model, args.rank)
     zero_model = policy(model, args.rank, lora_b_std=0.0) if name in args.rollout_models else None
     engine_dtype = getattr(torch, dtype)
@@ -382,6 +382,7 @@ def main() -> None:
     parser.add_argument("--rollout-n", type=int, default=4)
     parser.add_argument("--rollout-max-tokens", type=int, default=64)
     parser.add_argument("--cache", type=Path, default=Path("cache"))
+    parser.add_argument("--tiny-model", help="the 'tiny' model's folder (default: the embedded default, in --cache)")
     parser.add_argument("--out", type=Path, default=Path("results/bench_server.json"))
     args = parser.parse_args()
     start = time.perf_counter()
