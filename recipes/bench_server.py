@@ -224,7 +224,7 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
     if dtype == "bfloat16":
         modes["lora_merge_bf16"] = dict(update="lora", wire_dtype="bfloat16")
     modes["full"] = dict(update="full", wire_dtype=dtype)
-    lora = update_accounting = None
+    lora = None
     with servers(model, dtype, log_dir / name, None if args.no_adapter else args.rank) as (merge_url, lora_url):
         merged = ServerEngine(merge_url, model)
         adapter_engine = ServerEngine(lora_url, model, merge=False) if lora_url else None
@@ -279,7 +279,8 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         modes={mode: dict(bytes=nbytes[mode], bytes_over_full=nbytes[mode] / full_bytes,
                           median_s=statistics.median(seconds[mode]),
                           median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
-                          median_wire_and_server_s=statistics.median(wire_seconds[mode]) if wire_seconds[mode] else None,
+                          median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode]
+                                                    else None),
                           raw_s=seconds[mode], **settings_note(mode, modes.get(mode, {})))
                for mode in modes},
         full_vs_lora_merge_greedy_logprobs_max_abs_diff=max(
@@ -361,7 +362,8 @@ def bench_rollout(args, merged: ServerEngine, adapter_engine: ServerEngine | Non
             tokens[mode].append(count)
             rates[mode].append(count / seconds)
     median = {mode: statistics.median(rates[mode]) for mode in modes}
-    out = dict(prompts=len(prompts), n=args.rollout_n, max_tokens=args.rollout_max_tokens, repetitions=args.rollout_reps,
+    out = dict(prompts=len(prompts), n=args.rollout_n, max_tokens=args.rollout_max_tokens,
+               repetitions=args.rollout_reps,
                median_tokens_per_s=median, merged_over_base=median["merged"] / median["base"],
                raw_tokens_per_s=rates, tokens=tokens)
     if "lora" in median:
