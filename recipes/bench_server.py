@@ -230,7 +230,7 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         adapter_engine = ServerEngine(lora_url, model, merge=False) if lora_url else None
         if adapter_engine:
             modes["adapter"] = {}
-        adapter_dir = Path(tempfile.mkdtemp(prefix=f"bench-server-{name}-"))
+        adapter_dir = log_dir / name  # the run's temporary folder
         version = iter(range(1, 10**6))
         seconds = {mode: [] for mode in modes}
         wire_seconds = {mode: [] for mode in modes}
