@@ -27,6 +27,11 @@ over the same group, from the first worker.
 LoRA on parameters (``target_parameters``: fused MoE experts) is sent as its delta in checkpoint format (dense,
 one tensor per expert and projection), since the split of a fused expert tensor into checkpoint tensors is
 transformers' conversion, applied to the delta; Linear and Embedding LoRA are sent as factors.
+
+Two options of the trainer side exist for comparisons (recipes/bench_server.py): ``update="full"`` sends the whole
+merged model instead (`merge.merged_lora_params`, every tensor, the server keeps no base), over the same group and
+through the same layer-wise reload: it stands in for vLLM's own full-weight transfer (NCCL/IPC, GPU only);
+``wire_dtype`` casts what is sent (e.g. the factors to the engine's bf16; the server still merges in fp32).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ __all__ = [
     "LoraMergeTrainerInitInfo",
     "WeightTransferError",
     "lora_update",
+    "full_update",
 ]
 
 BACKEND = "lora_merge"
@@ -190,8 +196,9 @@ def _parameter_delta(wrapper, adapter: str, a: torch.Tensor, b: torch.Tensor) ->
 @dataclass
 class LoraUpdate:
     """One update in checkpoint names: ``entries`` describe each targeted base tensor (``kind`` "lora": ``delta =
-    transpose?(B @ A) * scale`` from factors; "delta": the delta itself), ``tensors`` hold the factors/deltas in
-    entry order, ``shapes`` the base tensors' shapes (what the server's checkpoint must hold)."""
+    transpose?(B @ A) * scale`` from factors; "delta": the delta itself; "weight": the whole new tensor, for
+    ``update="full"``), ``tensors`` hold the factors/deltas/weights in entry order, ``shapes`` the base tensors'
+    shapes (what the server's checkpoint must hold)."""
 
     entries: list[dict] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
@@ -210,7 +217,7 @@ class LoraUpdate:
         entries = []
         for entry in self.entries:
             slots = {}
-            for key in ("b", "a") if entry["kind"] == "lora" else ("d",):
+            for key in {"lora": ("b", "a"), "delta": ("d",), "weight": ("w",)}[entry["kind"]]:
                 tensor = next(tensors)
                 dtype = str(tensor.dtype).removeprefix("torch.")
                 slots[key] = [dtype, offsets.get(dtype, 0), list(tensor.shape)]
@@ -222,6 +229,13 @@ class LoraUpdate:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def cast(self, dtype: torch.dtype | None) -> "LoraUpdate":
+        """The same update with every floating-point tensor cast to ``dtype`` (None: unchanged)."""
+        if dtype is None:
+            return self
+        tensors = [t.to(dtype) if t.is_floating_point() else t for t in self.tensors]
+        return LoraUpdate(self.entries, tensors, self.shapes)
 
 
 @torch.no_grad()
@@ -268,6 +282,18 @@ def lora_update(model) -> LoraUpdate:
     return update
 
 
+@torch.no_grad()
+def full_update(model, dtype: torch.dtype | None = None) -> LoraUpdate:
+    """The whole merged model (`merge.merged_lora_params`: every tensor, LoRA merged in, in ``dtype``) as an
+    update of kind "weight": what a full-weight sync sends. A collective under FSDP2, like ``lora_update``."""
+    from merge import merged_lora_params
+
+    update = LoraUpdate()
+    for name, tensor in merged_lora_params(model, dtype=dtype):
+        update.add({"target": name, "kind": "weight"}, [tensor.contiguous()], tensor.shape)
+    return update
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # worker side
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,6 +311,7 @@ class LoraMergeInitInfo(WeightTransferInitInfo):
     transport: str = "gloo"
     base_on_device: bool = False  # keep the pristine base on the engine's device (default: host memory)
     timeout_s: float = 600.0
+    update: str = "lora"  # "full": whole weights arrive, no pristine base is kept
 
 
 @dataclass
@@ -384,7 +411,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                                  init_info.transport, init_info.timeout_s)
         try:
             device = self.device if init_info.base_on_device else torch.device("cpu")
-            self.base = _pristine_base(self.model_config, init_info.targets, device)
+            if init_info.update == "lora":
+                self.base = _pristine_base(self.model_config, init_info.targets, device)
         except Exception as error:
             self._reply({"ok": False, "error": str(error)})
             raise
@@ -429,14 +457,19 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
 
     def _merged(self, entries: list[dict], buffers: dict[str, torch.Tensor], stats: MergePrecisionStats):
         """``(name, W_base + delta)`` for every tensor of the reloaded layers, in layer order; delta in fp32, one
-        cast to the engine's dtype; tensors without a delta are the pristine base, cast."""
+        cast to the engine's dtype; tensors without a delta are the pristine base, cast. Entries of kind "weight"
+        (``update="full"``) are the tensors themselves, in the trainer's (layer) order."""
         dtype = self.model_config.dtype
         by_target = {entry["target"]: entry for entry in entries}
 
-        def view(slot):
+        def view(slot, to=torch.float32):
             dtype_name, offset, shape = slot
             numel = int(torch.Size(shape).numel())
-            return buffers[dtype_name][offset:offset + numel].view(shape).to(self.device, torch.float32)
+            return buffers[dtype_name][offset:offset + numel].view(shape).to(self.device, to)
+
+        for entry in entries:
+            if entry["kind"] == "weight":
+                yield entry["target"], view(entry["w"], dtype)
 
         for name, base in self.base.items():
             entry = by_target.get(name)
@@ -522,6 +555,14 @@ class LoraMergeTrainerInitInfo(TrainerInitInfo):
     transport: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
     base_on_device: bool = False
     timeout_s: float = 600.0
+    update: str = "lora"  # "lora": the factors; "full": the whole merged model (a comparison, see the module doc)
+    wire_dtype: str | None = None  # cast the sent tensors to this dtype (None: as they are, fp32 factors usually)
+
+    def __post_init__(self) -> None:
+        if self.update not in ("lora", "full"):
+            raise ValueError(f"{BACKEND}: update={self.update!r} is not one of 'lora', 'full'")
+        if self.wire_dtype is not None and not isinstance(getattr(torch, self.wire_dtype, None), torch.dtype):
+            raise ValueError(f"{BACKEND}: wire_dtype={self.wire_dtype!r} is not a torch dtype name")
 
 
 class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
@@ -555,7 +596,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         worker_info = asdict(LoraMergeInitInfo(master_address=info.master_address, master_port=port,
                                                world_size=1 + info.num_workers, targets=targets,
                                                transport=info.transport, base_on_device=info.base_on_device,
-                                               timeout_s=info.timeout_s))
+                                               timeout_s=info.timeout_s, update=info.update))
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             call = pool.submit(self.client.init_weight_transfer_engine, worker_info)
@@ -582,7 +623,11 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         this returns. Returns the merge-precision telemetry (`MergePrecisionStats.metrics`) on rank 0."""
         if model is None:
             raise ValueError(f"{BACKEND}: send_weights needs the peft model")
-        update = lora_update(model)  # every rank: gathering the factors is a collective
+        wire_dtype = getattr(torch, self.init_info.wire_dtype) if self.init_info.wire_dtype else None
+        if self.init_info.update == "full":  # every rank: gathering is a collective
+            update = full_update(model, wire_dtype)
+        else:
+            update = lora_update(model).cast(wire_dtype)
         if not self.is_sender:
             return {}
         start = time.perf_counter()

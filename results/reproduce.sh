@@ -55,3 +55,5 @@ kill $server; wait $server || true
 # merged vs adapter vs trainer in bf16 and fp16 against fp32 W + delta, over update sizes (Qwen3-4B's shape, 26.5M)
 .venv/bin/python recipes/bench_precision.py --out results/bench_precision.json
 .venv/bin/python recipes/plot_precision.py results/bench_precision.json --out results/bench_precision.png
+# server mode: lora_merge vs full merged weights vs vLLM LoRA per sync, and the server's rollout tokens/s
+.venv/bin/python recipes/bench_server.py --out results/bench_server.json

