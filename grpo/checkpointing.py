@@ -40,8 +40,18 @@ from grpo.config import ConfigError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 # Keys a resume may change: where things go, how long to run, how the rollout engine is set up.
-RESUMABLE_CHANGES = {"output_dir", "run_name", "max_steps", "save_steps", "save_total_limit",
-                     "resume_from_checkpoint", "model.build_tiny", "eval_steps", "report_to", "vllm"}
+RESUMABLE_CHANGES = {
+    "output_dir",
+    "run_name",
+    "max_steps",
+    "save_steps",
+    "save_total_limit",
+    "resume_from_checkpoint",
+    "model.build_tiny",
+    "eval_steps",
+    "report_to",
+    "vllm",
+}
 
 
 @contextlib.contextmanager
@@ -141,12 +151,22 @@ def checkpoint_path(run_dir: Path, global_step: int) -> Path:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints in ``run_dir``, oldest first (``.tmp`` leftovers of a failed save are not listed)."""
-    found = [p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    found = [
+        p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
 
 
-def save_checkpoint(run_dir: Path, model, optimizer, scheduler, trainer_state: dict, config: dict,
-                    rank: int, save_total_limit: int | None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    model,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    config: dict,
+    rank: int,
+    save_total_limit: int | None,
+) -> Path:
     """Write ``checkpoint-<global_step>`` (collective); then keep only the newest ``save_total_limit``."""
     adapter = full_adapter_state(model)
     optim = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -182,7 +202,9 @@ def resolve_checkpoint(value: str, run_dir: Path) -> Path:
             raise ConfigError(f"resume_from_checkpoint=last, but {run_dir} holds no {CHECKPOINT_PREFIX}<N> folder")
         return found[-1]
     path = Path(value)
-    missing = [f for f in ("trainer_state.json", "optimizer.pt", "adapter_model.safetensors") if not (path / f).is_file()]
+    missing = [
+        f for f in ("trainer_state.json", "optimizer.pt", "adapter_model.safetensors") if not (path / f).is_file()
+    ]
     if missing:
         raise ConfigError(f"resume_from_checkpoint={value!r} is not a complete checkpoint (missing {missing})")
     return path
@@ -207,9 +229,11 @@ def check_resumable(path: Path, config: dict) -> None:
     """Refuse a resume whose config differs from the checkpoint's beyond what a resume may change."""
     changes = config_changes(yaml.safe_load((path / "config.yaml").read_text()), config)
     if changes:
-        raise ConfigError(f"resume_from_checkpoint={str(path)!r} was made with another config: {'; '.join(changes)}. "
-                          "Resume with the same settings (only output/run names, max_steps, save_*, eval_steps, "
-                          "report_to and vllm.* may change)")
+        raise ConfigError(
+            f"resume_from_checkpoint={str(path)!r} was made with another config: {'; '.join(changes)}. "
+            "Resume with the same settings (only output/run names, max_steps, save_*, eval_steps, "
+            "report_to and vllm.* may change)"
+        )
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, config: dict, rank: int) -> dict:
@@ -218,8 +242,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, config: dict, rank:
     saved = load_file(str(path / "adapter_model.safetensors"))
     names = adapter_param_names(model)
     if set(saved) != set(names):
-        raise ConfigError(f"{path}: the saved adapter does not fit this model (differing tensors: "
-                         f"{sorted(set(saved) ^ set(names))[:3]})")
+        raise ConfigError(
+            f"{path}: the saved adapter does not fit this model (differing tensors: "
+            f"{sorted(set(saved) ^ set(names))[:3]})"
+        )
     adapter = {names[key]: tensor for key, tensor in saved.items()}
     set_model_state_dict(model, adapter, options=StateDictOptions(full_state_dict=True, strict=False))
     optim = torch.load(path / "optimizer.pt", weights_only=False)

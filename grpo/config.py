@@ -51,35 +51,55 @@ def section(cls, help: str):
 
 @dataclass
 class ModelSettings:
-    name_or_path: str = setting("Qwen/Qwen3-4B", "hub id or local path of the base model",
-                                range="a hub id or a local path")
-    dtype: str = setting("bfloat16", "trainer compute and vLLM dtype (float16: dynamic loss scaling, "
-                         "grpo/loss_scaling.py); the LoRA weights and the optimizer stay fp32 in every case",
-                         choices=("float32", "bfloat16", "float16"))
+    name_or_path: str = setting(
+        "Qwen/Qwen3-4B", "hub id or local path of the base model", range="a hub id or a local path"
+    )
+    dtype: str = setting(
+        "bfloat16",
+        "trainer compute and vLLM dtype (float16: dynamic loss scaling, "
+        "grpo/loss_scaling.py); the LoRA weights and the optimizer stay fp32 in every case",
+        choices=("float32", "bfloat16", "float16"),
+    )
     attn_implementation: str = setting(
-        "packed_sdpa", "packed_sdpa (padding/packed_attention.py): each packed sample attends within itself; "
+        "packed_sdpa",
+        "packed_sdpa (padding/packed_attention.py): each packed sample attends within itself; "
         "sdpa/eager spend T^2 on a block-diagonal mask instead (the update phase takes 1.6x as long on the embedded "
-        "default: results/attention.json)", choices=("packed_sdpa", "sdpa", "eager", "flash_attention_2"))
-    build_tiny: str | None = setting(None, "build the embedded default of this size into name_or_path if absent",
-                                     choices=("tiny", "small", "tiny-moe"))
+        "default: results/attention.json)",
+        choices=("packed_sdpa", "sdpa", "eager", "flash_attention_2"),
+    )
+    build_tiny: str | None = setting(
+        None,
+        "build the embedded default of this size into name_or_path if absent",
+        choices=("tiny", "small", "tiny-moe"),
+    )
     build_seed: int = setting(0, "seed of the embedded default's build", range=">= 0")
 
 
 @dataclass
 class DataSettings:
-    name: str = setting("openai/gsm8k", "hub id or local path, or 'generated' for the embedded GSM8K-style problems",
-                        range="a hub id, a local path or 'generated'")
+    name: str = setting(
+        "openai/gsm8k",
+        "hub id or local path, or 'generated' for the embedded GSM8K-style problems",
+        range="a hub id, a local path or 'generated'",
+    )
     config_name: str | None = setting("main", "the dataset's config name", range="a dataset config name or null")
     split: str = setting("train", "the training split", range="a split name")
     num_generated: int = setting(4096, "problems made when name == 'generated'", range=">= 1")
-    prompt_template: str = setting("{question}", "the prompt, formatted from the row's columns",
-                                   range="a non-empty format string, e.g. '{question}'")
-    system_prompt: str | None = setting(None, "a system message before the prompt (chat template only)",
-                                        range="a non-empty text or null")
+    prompt_template: str = setting(
+        "{question}",
+        "the prompt, formatted from the row's columns",
+        range="a non-empty format string, e.g. '{question}'",
+    )
+    system_prompt: str | None = setting(
+        None, "a system message before the prompt (chat template only)", range="a non-empty text or null"
+    )
     use_chat_template: bool = setting(True, "format prompts with the tokenizer's chat template")
     max_prompt_length: int = setting(256, "tokens; longer prompts are dropped with a counted warning", range=">= 1")
-    eval_split: str | None = setting("test", "held-out split for eval_steps ('generated': other problems than "
-                                     "training's)", range="a split name or null")
+    eval_split: str | None = setting(
+        "test",
+        "held-out split for eval_steps ('generated': other problems than training's)",
+        range="a split name or null",
+    )
     num_eval: int = setting(256, "held-out problems per evaluation (at most)", range=">= 1")
 
 
@@ -91,127 +111,184 @@ class LoraSettings:
     r: int = setting(16, "LoRA rank", range=">= 1")
     lora_alpha: int = setting(32, "LoRA scaling numerator (scaling = lora_alpha / r)", range="> 0")
     lora_dropout: float = setting(0.0, "dropout on the LoRA input", range="in [0, 1)")
-    target_modules: list[str] = setting(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                                        "modules that get LoRA", range="a non-empty list of module names")
+    target_modules: list[str] = setting(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "modules that get LoRA",
+        range="a non-empty list of module names",
+    )
     bias: str = setting("none", "LoRA biases (merge/ merges none)", choices=("none",))
     use_rslora: bool = setting(False, "rank-stabilized scaling lora_alpha / sqrt(r)")
     use_dora: bool = setting(False, "DoRA; refused: merge/ and vLLM's LoRA serve plain LoRA only")
-    modules_to_save: list[str] | None = setting(None, "modules trained in full beside the adapter",
-                                                range="a non-empty list of module names or null")
+    modules_to_save: list[str] | None = setting(
+        None, "modules trained in full beside the adapter", range="a non-empty list of module names or null"
+    )
     init_lora_weights: bool = setting(True, "peft's initialisation (B = 0)")
-    target_parameters: list[str] | None = setting(None, "LoRA on parameters, e.g. fused MoE experts "
-                                                  "[mlp.experts.gate_up_proj]",
-                                                  range="a non-empty list of parameter names or null")
+    target_parameters: list[str] | None = setting(
+        None,
+        "LoRA on parameters, e.g. fused MoE experts [mlp.experts.gate_up_proj]",
+        range="a non-empty list of parameter names or null",
+    )
 
 
 @dataclass
 class VLLMSettings:
     """The vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
 
-    mode: str = setting("colocate", "colocate: one in-process engine per training rank; server: a separate `vllm serve` "
-                        "at server_url, synced with LoRA-sized transfers (docs/server.md); the settings that size "
-                        "an engine below are colocate's", choices=("colocate", "server"))
-    server_url: str = setting("http://127.0.0.1:8000", "vllm.mode=server: the server's address",
-                              range="an http(s):// URL (http://127.0.0.1:8000)",
-                              check=lambda v: v.startswith(("http://", "https://")))
-    kv_cache_gb: float = setting(2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)",
-                                 range="> 0")
-    gpu_memory_utilization: float = setting(0.3, "GPU only: vLLM needs this share of the GPU free at start (TRL's "
-                                            "default)", range="in (0, 1]")
-    enable_sleep_mode: bool = setting(False, "GPU only: release weights and KV cache while the trainer updates "
-                                      "(as TRL)")
+    mode: str = setting(
+        "colocate",
+        "colocate: one in-process engine per training rank; server: a separate `vllm serve` "
+        "at server_url, synced with LoRA-sized transfers (docs/server.md); the settings that size "
+        "an engine below are colocate's",
+        choices=("colocate", "server"),
+    )
+    server_url: str = setting(
+        "http://127.0.0.1:8000",
+        "vllm.mode=server: the server's address",
+        range="an http(s):// URL (http://127.0.0.1:8000)",
+        check=lambda v: v.startswith(("http://", "https://")),
+    )
+    kv_cache_gb: float = setting(
+        2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)", range="> 0"
+    )
+    gpu_memory_utilization: float = setting(
+        0.3, "GPU only: vLLM needs this share of the GPU free at start (TRL's default)", range="in (0, 1]"
+    )
+    enable_sleep_mode: bool = setting(
+        False, "GPU only: release weights and KV cache while the trainer updates (as TRL)"
+    )
     enforce_eager: bool = setting(True, "no CUDA graphs / compilation")
-    max_num_seqs: int | None = setting(None, "sequences one engine batches at once; null: what a rollout or an "
-                                       "evaluation gives one rank (as TRL sizes it)", range=">= 1")
-    max_num_batched_tokens: int = setting(4096, "tokens per engine step (TRL's value; at least max_model_len)",
-                                          range=">= 1")
+    max_num_seqs: int | None = setting(
+        None,
+        "sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL sizes it)",
+        range=">= 1",
+    )
+    max_num_batched_tokens: int = setting(
+        4096, "tokens per engine step (TRL's value; at least max_model_len)", range=">= 1"
+    )
     max_lora_rank: int | None = setting(None, "merge=false: defaults to lora.r", choices=VLLM_LORA_RANKS)
-    max_logprob_diff: float | None = setting(None, "stop when the mean |vLLM - trainer| old log-prob exceeds this "
-                                             "(a broken sync); null: the model.dtype's default", range="> 0")
+    max_logprob_diff: float | None = setting(
+        None,
+        "stop when the mean |vLLM - trainer| old log-prob exceeds this "
+        "(a broken sync); null: the model.dtype's default",
+        range="> 0",
+    )
     verify_sync: bool = setting(False, "hash the trainer's weights around every sync (metric sync_changed_trainer)")
-    sync_precision_stats: bool = setting(True, "merge=true below fp32: how much of the LoRA update survives the cast "
-                                         "of the merged weights (sync_delta_* metrics)")
+    sync_precision_stats: bool = setting(
+        True,
+        "merge=true below fp32: how much of the LoRA update survives the cast "
+        "of the merged weights (sync_delta_* metrics)",
+    )
     sync: bool = setting(True, "false only to prove that a skipped sync is detected")
 
 
 @dataclass
 class PaddingSettings:
-    legacy_slice: bool = setting(False, "the wrong rule: current log-probs sliced [:, -R-1:-1] "
-                                 "(padding.legacy_slice_response); for the before/after plots only")
+    legacy_slice: bool = setting(
+        False,
+        "the wrong rule: current log-probs sliced [:, -R-1:-1] "
+        "(padding.legacy_slice_response); for the before/after plots only",
+    )
     logprob_chunk_size: int | None = setting(
-        512, "LM-head rows per chunk when computing log-probs (padding.packed_log_probs): only the response "
+        512,
+        "LM-head rows per chunk when computing log-probs (padding.packed_log_probs): only the response "
         "positions are projected, chunk by chunk, recomputed in the backward; null: every position's "
-        "full-vocabulary logits at once", range=">= 1 (or null: full logits)")
+        "full-vocabulary logits at once",
+        range=">= 1 (or null: full logits)",
+    )
 
 
 @dataclass
 class RecipeConfig:
     # --- TRL GRPOConfig names ---
     output_dir: str = setting("runs", "the run writes into <output_dir>/<run_name>/", range="a non-empty path")
-    run_name: str = setting("grpo", "the run's folder; a new run beside an earlier run's checkpoints goes to "
-                            "<run_name>-2, -3, ...", range="a non-empty name without '/'", check=lambda v: "/" not in v)
+    run_name: str = setting(
+        "grpo",
+        "the run's folder; a new run beside an earlier run's checkpoints goes to <run_name>-2, -3, ...",
+        range="a non-empty name without '/'",
+        check=lambda v: "/" not in v,
+    )
     seed: int = setting(42, "seeds the adapter, the sampling and the data order", range=">= 0")
     max_steps: int = setting(100, "optimizer steps, as in TRL", range=">= 1")
     learning_rate: float = setting(1e-5, "AdamW learning rate", range="> 0")
-    lr_scheduler_type: str = setting("constant", "the learning-rate schedule",
-                                     choices=("constant", "linear", "cosine"))
+    lr_scheduler_type: str = setting("constant", "the learning-rate schedule", choices=("constant", "linear", "cosine"))
     warmup_steps: int = setting(0, "optimizer steps of linear warm-up", range=">= 0")
     weight_decay: float = setting(0.0, "AdamW weight decay", range=">= 0")
     adam_beta1: float = setting(0.9, "AdamW beta1", range="in [0, 1)")
     adam_beta2: float = setting(0.999, "AdamW beta2", range="in [0, 1)")
     max_grad_norm: float = setting(1.0, "gradient clipping norm", range="> 0")
-    gradient_checkpointing: bool = setting(True, "recompute each decoder layer's activations in the backward "
-                                           "(TRL's default)")
-    per_device_train_batch_size: int = setting(8, "completions per rank per optimizer step (one mini-batch)",
-                                               range=">= 1")
+    gradient_checkpointing: bool = setting(
+        True, "recompute each decoder layer's activations in the backward (TRL's default)"
+    )
+    per_device_train_batch_size: int = setting(
+        8, "completions per rank per optimizer step (one mini-batch)", range=">= 1"
+    )
     steps_per_generation: int = setting(4, "mini-batches (optimizer steps) per rollout, per iteration", range=">= 1")
     num_iterations: int = setting(1, "passes over each rollout", range=">= 1")
-    num_generations: int = setting(8, "completions per prompt (the group)",
-                                   range=">= 2 (GRPO normalizes within a group)")
+    num_generations: int = setting(
+        8, "completions per prompt (the group)", range=">= 2 (GRPO normalizes within a group)"
+    )
     max_completion_length: int = setting(256, "tokens per completion", range=">= 1")
     temperature: float = setting(1.0, "sampling temperature", range="> 0 (log-probs are of the tempered policy)")
-    top_p: float = setting(1.0, "nucleus sampling (the trainer's log-probs follow vLLM's truncated distribution)",
-                           range="in (0, 1]")
+    top_p: float = setting(
+        1.0, "nucleus sampling (the trainer's log-probs follow vLLM's truncated distribution)", range="in (0, 1]"
+    )
     top_k: int = setting(0, "top-k sampling (0: off)", range=">= 0 (0: off)")
     # --- the loss (grpo/loss.py: TRL 1.16's GRPOTrainer._compute_loss, same names, defaults, meaning) ---
     loss_type: str = setting("dapo", "the loss's normalisation and form (TRL's)", choices=SUPPORTED_VALUES["loss_type"])
-    importance_sampling_level: str = setting("token", "token, or sequence (GSPO)",
-                                             choices=SUPPORTED_VALUES["importance_sampling_level"])
+    importance_sampling_level: str = setting(
+        "token", "token, or sequence (GSPO)", choices=SUPPORTED_VALUES["importance_sampling_level"]
+    )
     epsilon: float = setting(0.2, "PPO clip range", range="in (0, 1)")
     epsilon_high: float | None = setting(None, "upper clip range; null: epsilon", range="> 0")
-    delta: float | None = setting(None, "two-sided clipping: the unclipped ratio is capped at delta "
-                                  "(> 1 + epsilon_high)", range="> 0")
-    beta: float = setting(0.0, "k3 KL to the reference (the base, adapter disabled); 0 = no reference forward",
-                          range=">= 0")
+    delta: float | None = setting(
+        None, "two-sided clipping: the unclipped ratio is capped at delta (> 1 + epsilon_high)", range="> 0"
+    )
+    beta: float = setting(
+        0.0, "k3 KL to the reference (the base, adapter disabled); 0 = no reference forward", range=">= 0"
+    )
     use_bias_correction_kl: bool = setting(True, "the KL term times the policy ratio (TRL's default)")
-    top_entropy_quantile: float = setting(1.0, "< 1: only this top fraction of tokens by entropy gets a policy "
-                                          "gradient", range="in [0, 1]")
+    top_entropy_quantile: float = setting(
+        1.0, "< 1: only this top fraction of tokens by entropy gets a policy gradient", range="in [0, 1]"
+    )
     sapo_temperature_pos: float = setting(1.0, "SAPO's temperature for positive advantages", range="> 0")
     sapo_temperature_neg: float = setting(1.05, "SAPO's temperature for negative advantages", range="> 0")
-    vllm_importance_sampling_correction: bool = setting(True, "trainer-over-vLLM probability of the sampled tokens "
-                                                        "weighs the loss (corrects the engine/trainer mismatch)")
-    vllm_importance_sampling_mode: str = setting("sequence_mask", "{token,sequence}_{truncate,mask}",
-                                                 choices=SUPPORTED_VALUES["vllm_importance_sampling_mode"])
+    vllm_importance_sampling_correction: bool = setting(
+        True,
+        "trainer-over-vLLM probability of the sampled tokens weighs the loss (corrects the engine/trainer mismatch)",
+    )
+    vllm_importance_sampling_mode: str = setting(
+        "sequence_mask", "{token,sequence}_{truncate,mask}", choices=SUPPORTED_VALUES["vllm_importance_sampling_mode"]
+    )
     vllm_importance_sampling_clip_max: float | None = setting(3.0, "upper bound of that ratio", range="> 0")
     vllm_importance_sampling_clip_min: float | None = setting(None, "lower bound of that ratio", range=">= 0")
-    scale_rewards: str = setting("group", "divide advantages by the group's (or batch's) reward std",
-                                 choices=("group", "batch", "none"))
+    scale_rewards: str = setting(
+        "group", "divide advantages by the group's (or batch's) reward std", choices=("group", "batch", "none")
+    )
     mask_truncated_completions: bool = setting(False, "completions cut by max_completion_length get no loss")
-    save_steps: int = setting(50, "checkpoint when global_step passes a multiple of this (and at the end)",
-                              range=">= 1")
-    eval_steps: int | None = setting(None, "evaluate on held-out problems before training, every N optimizer steps, "
-                                     "at the end", range=">= 1 or null (no evaluation)")
-    report_to: list[str] = setting(["none"], "trackers: none | all | tensorboard | wandb | ...",
-                                   range="a non-empty list (['none'] for no tracker)")
-    save_total_limit: int | None = setting(2, "keep the newest N checkpoints (null: all)",
-                                           range=">= 1 or null (keep all)")
-    resume_from_checkpoint: str | None = setting(None, "a checkpoint-<N> folder, or 'last' (alias: resume_from)",
-                                                 range="a checkpoint folder or 'last'")
-    reward_funcs: list[str] = setting(["grpo.rewards:gsm8k_exact_answer_reward"],
-                                      "GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: "
-                                      "f(completions, **columns) -> list[float]); see grpo/rewards.py",
-                                      range="a non-empty list of 'module:function'",
-                                      check=lambda v: all(":" in f for f in v))
+    save_steps: int = setting(
+        50, "checkpoint when global_step passes a multiple of this (and at the end)", range=">= 1"
+    )
+    eval_steps: int | None = setting(
+        None,
+        "evaluate on held-out problems before training, every N optimizer steps, at the end",
+        range=">= 1 or null (no evaluation)",
+    )
+    report_to: list[str] = setting(
+        ["none"], "trackers: none | all | tensorboard | wandb | ...", range="a non-empty list (['none'] for no tracker)"
+    )
+    save_total_limit: int | None = setting(
+        2, "keep the newest N checkpoints (null: all)", range=">= 1 or null (keep all)"
+    )
+    resume_from_checkpoint: str | None = setting(
+        None, "a checkpoint-<N> folder, or 'last' (alias: resume_from)", range="a checkpoint folder or 'last'"
+    )
+    reward_funcs: list[str] = setting(
+        ["grpo.rewards:gsm8k_exact_answer_reward"],
+        "GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: "
+        "f(completions, **columns) -> list[float]); see grpo/rewards.py",
+        range="a non-empty list of 'module:function'",
+        check=lambda v: all(":" in f for f in v),
+    )
     # --- sections ---
     model: ModelSettings = section(ModelSettings, "the base model")
     data: DataSettings = section(DataSettings, "the prompts")
@@ -259,29 +336,39 @@ class RecipeConfig:
             raise ConfigError(str(err)) from None
         check_attn_implementation(self.model.attn_implementation)
         if self.lora.use_dora:
-            raise ConfigError("lora.use_dora=True is not supported: merge/ (lora.merge=true) and vLLM's LoRA "
-                              "(lora.merge=false) both serve plain LoRA only")
+            raise ConfigError(
+                "lora.use_dora=True is not supported: merge/ (lora.merge=true) and vLLM's LoRA "
+                "(lora.merge=false) both serve plain LoRA only"
+            )
         if not self.lora.merge:
             limit = self.vllm.max_lora_rank or self.lora.r
             if self.lora.r > limit or self.lora.r > VLLM_LORA_RANKS[-1]:
-                raise ConfigError(f"lora.merge=false: lora.r={self.lora.r} exceeds vllm.max_lora_rank={limit} "
-                                  f"(vLLM allows ranks up to {VLLM_LORA_RANKS[-1]}: {list(VLLM_LORA_RANKS)})")
+                raise ConfigError(
+                    f"lora.merge=false: lora.r={self.lora.r} exceeds vllm.max_lora_rank={limit} "
+                    f"(vLLM allows ranks up to {VLLM_LORA_RANKS[-1]}: {list(VLLM_LORA_RANKS)})"
+                )
             if self.lora.target_parameters:
-                raise ConfigError(f"lora.merge=false: vLLM's LoRA cannot serve lora.target_parameters="
-                                  f"{self.lora.target_parameters} (LoRA on parameters, e.g. fused MoE experts); use "
-                                  "lora.merge=true (merged weights include them)")
+                raise ConfigError(
+                    f"lora.merge=false: vLLM's LoRA cannot serve lora.target_parameters="
+                    f"{self.lora.target_parameters} (LoRA on parameters, e.g. fused MoE experts); use "
+                    "lora.merge=true (merged weights include them)"
+                )
             if self.lora.modules_to_save:
-                raise ConfigError(f"lora.merge=false: vLLM's LoRA cannot serve lora.modules_to_save="
-                                  f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)")
+                raise ConfigError(
+                    f"lora.merge=false: vLLM's LoRA cannot serve lora.modules_to_save="
+                    f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)"
+                )
 
 
 def check_attn_implementation(name: str) -> None:
     """flash_attention_2 needs the flash-attn package: without it transformers fails only in from_pretrained, after
     the data and the memory plan."""
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError("model.attn_implementation='flash_attention_2' needs the flash-attn package, which is not "
-                          "installed (it is not in requirements-gpu.txt); use packed_sdpa (the default: on CUDA one "
-                          "variable-length FlashAttention call per layer, from torch itself)")
+        raise ConfigError(
+            "model.attn_implementation='flash_attention_2' needs the flash-attn package, which is not "
+            "installed (it is not in requirements-gpu.txt); use packed_sdpa (the default: on CUDA one "
+            "variable-length FlashAttention call per layer, from torch itself)"
+        )
 
 
 def _leaves(config, prefix: str = ""):
@@ -314,8 +401,9 @@ def _check_rule(key: str, value, meta) -> None:
         ok = value >= low if match[1] == ">=" else value > low
     else:
         opening, low, high, closing = _INTERVAL.match(rule).groups()
-        ok = ((value >= float(low)) if opening == "[" else (value > float(low))) and \
-             ((value <= float(high)) if closing == "]" else (value < float(high)))
+        ok = ((value >= float(low)) if opening == "[" else (value > float(low))) and (
+            (value <= float(high)) if closing == "]" else (value < float(high))
+        )
     if not ok:
         raise ConfigError(f"{key}={value!r} is out of range: it must be {rule}")
 
@@ -362,8 +450,9 @@ class _YAMLLoader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's floats: YAML 1.1 reads ``1e-5`` (no dot) as a string."""
 
 
-_YAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-                                  list("-+0123456789."))
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789.")
+)
 
 
 def _set_dotted(data: dict, dotted: str, value) -> None:

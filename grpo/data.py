@@ -43,16 +43,21 @@ def load_reward_funcs(names: list[str]) -> list:
 def reward_columns(func) -> list[str]:
     """Dataset columns a TRL-style reward function asks for by name (beyond prompts/completions)."""
     params = inspect.signature(func).parameters.values()
-    return [p.name for p in params
-            if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _TRL_REWARD_ARGS and p.default is p.empty]
+    return [
+        p.name
+        for p in params
+        if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _TRL_REWARD_ARGS and p.default is p.empty
+    ]
 
 
 def check_reward_columns(cfg: RecipeConfig, reward_funcs: list, problems: list[dict]) -> None:
     needed = {c for f in reward_funcs for c in reward_columns(f)}
     missing = sorted(needed - set(problems[0]))
     if missing:
-        raise ConfigError(f"data.name={cfg.data.name!r} lacks column(s) {missing} that reward_funcs "
-                          f"{cfg.reward_funcs} need; it has {sorted(problems[0])}")
+        raise ConfigError(
+            f"data.name={cfg.data.name!r} lacks column(s) {missing} that reward_funcs "
+            f"{cfg.reward_funcs} need; it has {sorted(problems[0])}"
+        )
 
 
 def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
@@ -100,12 +105,16 @@ def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict], what: s
         try:
             text = cfg.data.prompt_template.format(**row)
         except KeyError as err:
-            raise ConfigError(f"data.prompt_template={cfg.data.prompt_template!r} names column {err} that "
-                              f"data.name={cfg.data.name!r} lacks; it has {sorted(row)}") from None
+            raise ConfigError(
+                f"data.prompt_template={cfg.data.prompt_template!r} names column {err} that "
+                f"data.name={cfg.data.name!r} lacks; it has {sorted(row)}"
+            ) from None
         if cfg.data.use_chat_template and tokenizer.chat_template:
-            messages = ([{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else [])
+            messages = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
             messages.append({"role": "user", "content": text})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+            )
             ids = tokenizer(text, add_special_tokens=False).input_ids
         else:
             ids = tokenizer(text).input_ids
@@ -116,8 +125,14 @@ def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict], what: s
         else:
             kept.append({**row, "prompt": text, "prompt_ids": ids})
     if empty or too_long:
-        log.warning("dropped %d empty and %d %ss longer than data.max_prompt_length=%d tokens (of %d)",
-                    empty, too_long, what, cfg.data.max_prompt_length, len(problems))
+        log.warning(
+            "dropped %d empty and %d %ss longer than data.max_prompt_length=%d tokens (of %d)",
+            empty,
+            too_long,
+            what,
+            cfg.data.max_prompt_length,
+            len(problems),
+        )
     if not kept:
         raise ConfigError(f"no usable prompt in data.name={cfg.data.name!r} (all empty or too long)")
     return kept
@@ -129,8 +144,12 @@ def score(reward_funcs: dict, rows: list[dict], samples) -> tuple[torch.Tensor, 
     columns = {k: [row[k] for row in sample_rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
     table, returned = [], {}
     for name, func in reward_funcs.items():
-        values = func(prompts=[row["prompt"] for row in sample_rows], completions=[s.text for s in samples],
-                      completion_ids=[s.completion_ids for s in samples], **columns)
+        values = func(
+            prompts=[row["prompt"] for row in sample_rows],
+            completions=[s.text for s in samples],
+            completion_ids=[s.completion_ids for s in samples],
+            **columns,
+        )
         table.append([math.nan if v is None else v for v in values])
         returned[f"reward from {name}"] = torch.tensor([v for v in values if v is not None], dtype=torch.float64)
     return torch.tensor(table, dtype=torch.float32).nansum(dim=0), returned
@@ -163,8 +182,13 @@ def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Te
         attention_mask[i, width_p - p : width_p + r] = 1
         vllm_logprobs[i, :r] = torch.tensor(s.logprobs)
     response_mask = attention_mask[:, width_p:].clone()
-    batch = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                 vllm_logprobs=vllm_logprobs, truncated=torch.tensor([s.truncated for s in samples]))
+    batch = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        vllm_logprobs=vllm_logprobs,
+        truncated=torch.tensor([s.truncated for s in samples]),
+    )
     return {k: v.to(device) for k, v in batch.items()}
 
 

@@ -29,14 +29,21 @@ class NonFiniteError(RuntimeError):
 def stop_if_nonfinite(where: str, quantities: dict[str, torch.Tensor], last_checkpoint: Path | None) -> None:
     """Collective: every rank raises if any rank found a NaN/inf in one of ``quantities``."""
     local = [v.full_tensor() if isinstance(v, DTensor) else v for v in quantities.values()]
-    bad = reduce_across_ranks(maxs={name: float(not bool(torch.isfinite(v.detach()).all()))
-                                    for name, v in zip(quantities, local)})
+    bad = reduce_across_ranks(
+        maxs={name: float(not bool(torch.isfinite(v.detach()).all())) for name, v in zip(quantities, local)}
+    )
     names = [name for name, flag in bad.items() if flag]
     if names:
-        resume = (f"the last good checkpoint is {last_checkpoint}: resume with resume_from_checkpoint={last_checkpoint} "
-                  "(e.g. with a lower learning_rate)" if last_checkpoint else "no checkpoint was written yet")
-        raise NonFiniteError(f"{where}: non-finite {', '.join(names)} (NaN or inf); stopped before the optimizer "
-                             f"update, no checkpoint written after it; {resume}")
+        resume = (
+            f"the last good checkpoint is {last_checkpoint}: resume with resume_from_checkpoint={last_checkpoint} "
+            "(e.g. with a lower learning_rate)"
+            if last_checkpoint
+            else "no checkpoint was written yet"
+        )
+        raise NonFiniteError(
+            f"{where}: non-finite {', '.join(names)} (NaN or inf); stopped before the optimizer "
+            f"update, no checkpoint written after it; {resume}"
+        )
 
 
 class StopRequest:
@@ -49,8 +56,9 @@ class StopRequest:
 
     def handle(self, signum, frame) -> None:
         if not self.signum:
-            log.warning("%s received: stopping at the next step boundary, after a checkpoint",
-                        signal.Signals(signum).name)
+            log.warning(
+                "%s received: stopping at the next step boundary, after a checkpoint", signal.Signals(signum).name
+            )
         self.signum = signum
 
     def agreed(self) -> int:
@@ -88,14 +96,20 @@ class LogprobGuard:
                 raise RuntimeError(
                     f"rollout step {rollout_step}: rollout_logprob_diff_mean={diff:.3g} before any update exceeds "
                     f"{self.ceiling:g} ({self.BASELINE_CEILING}x the {self.dtype} default): vLLM does not serve the "
-                    "trainer's weights even at the start (a broken weight sync or a different checkpoint)")
+                    "trainer's weights even at the start (a broken weight sync or a different checkpoint)"
+                )
             self.baseline = diff
-            log.info("log-prob guard: baseline |vLLM - trainer| %.3g at rollout step %d; the run stops above %.3g",
-                     diff, rollout_step, self.limit)
+            log.info(
+                "log-prob guard: baseline |vLLM - trainer| %.3g at rollout step %d; the run stops above %.3g",
+                diff,
+                rollout_step,
+                self.limit,
+            )
         if diff > self.limit:
             raise RuntimeError(
                 f"rollout step {rollout_step}: rollout_logprob_diff_mean={diff:.3g} exceeds the guard's limit "
                 f"{self.limit:.3g} (the larger of vllm.max_logprob_diff={self.floor:g} and {self.BASELINE_MULTIPLE}x "
                 f"the first step's baseline {self.baseline:.3g}): vLLM is not serving the trainer's weights (a broken "
                 "or skipped weight sync); stopping instead of training on stale rollouts. (If the sync works and "
-                "your kernels just differ more, raise vllm.max_logprob_diff.)")
+                "your kernels just differ more, raise vllm.max_logprob_diff.)"
+            )

@@ -100,11 +100,15 @@ def check_supported(config) -> None:
         clip_max = getattr(config, "vllm_importance_sampling_clip_max", None)
         mode = getattr(config, "vllm_importance_sampling_mode", "sequence_mask")
         if mode.endswith("_truncate") and clip_min is None and clip_max is None:
-            raise ValueError(f"vllm_importance_sampling_mode={mode!r} needs vllm_importance_sampling_clip_min "
-                             "or vllm_importance_sampling_clip_max")
+            raise ValueError(
+                f"vllm_importance_sampling_mode={mode!r} needs vllm_importance_sampling_clip_min "
+                "or vllm_importance_sampling_clip_max"
+            )
         if clip_min is not None and clip_max is not None and clip_min >= clip_max:
-            raise ValueError(f"vllm_importance_sampling_clip_min={clip_min!r} must be less than "
-                             f"vllm_importance_sampling_clip_max={clip_max!r}")
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min={clip_min!r} must be less than "
+                f"vllm_importance_sampling_clip_max={clip_max!r}"
+            )
 
 
 def reduce_op(stat_name: str) -> str:
@@ -116,8 +120,13 @@ def reduce_op(stat_name: str) -> str:
 def accumulate_stats(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``total`` combined with ``stats`` name by name (:func:`reduce_op`); names in only one of them are kept."""
     combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
-    return {**total, **{name: combine[reduce_op(name)](total[name], value) if name in total else value
-                        for name, value in stats.items()}}
+    return {
+        **total,
+        **{
+            name: combine[reduce_op(name)](total[name], value) if name in total else value
+            for name, value in stats.items()
+        },
+    }
 
 
 def _entries(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -187,8 +196,11 @@ def vllm_importance_sampling_ratio(
     logp_diff = torch.abs(old_per_token_logps - sampling_per_token_logps)
     logp_diff = logp_diff[real & ~torch.isnan(logp_diff)].double()
     stats = _sum_min_max_count("vllm_ratio", ratio.reshape(-1) if sequence_level else ratio[real])
-    stats.update(vllm_logp_diff_sum=logp_diff.sum(), vllm_logp_diff_count=logp_diff.new_tensor(logp_diff.numel()),
-                 vllm_logp_diff_max=logp_diff.max() if logp_diff.numel() else logp_diff.new_tensor(-math.inf))
+    stats.update(
+        vllm_logp_diff_sum=logp_diff.sum(),
+        vllm_logp_diff_count=logp_diff.new_tensor(logp_diff.numel()),
+        vllm_logp_diff_max=logp_diff.max() if logp_diff.numel() else logp_diff.new_tensor(-math.inf),
+    )
     return ratio, stats
 
 
@@ -342,11 +354,13 @@ def _check_inputs(settings, ref_per_token_logps, importance_sampling_ratio, entr
     """Refuse a missing input the settings need, or a given one they would ignore."""
     expected = {
         "ref_per_token_logps": (ref_per_token_logps, settings.beta != 0.0, "beta != 0"),
-        "importance_sampling_ratio": (importance_sampling_ratio, settings.vllm_importance_sampling_correction,
-                                      "vllm_importance_sampling_correction=True"),
+        "importance_sampling_ratio": (
+            importance_sampling_ratio,
+            settings.vllm_importance_sampling_correction,
+            "vllm_importance_sampling_correction=True",
+        ),
         "entropy_mask": (entropy_mask, settings.top_entropy_quantile < 1.0, "top_entropy_quantile < 1"),
-        "num_items_in_batch": (num_items_in_batch, settings.loss_type in ("dapo", "cispo"),
-                               "loss_type dapo or cispo"),
+        "num_items_in_batch": (num_items_in_batch, settings.loss_type in ("dapo", "cispo"), "loss_type dapo or cispo"),
     }
     for name, (value, needed, condition) in expected.items():
         if needed and value is None:

@@ -18,8 +18,14 @@ from grpo.parallel import reduce_across_ranks
 
 
 class DynamicLossScale:
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+    def __init__(
+        self,
+        enabled: bool,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
@@ -67,8 +73,10 @@ class DynamicLossScale:
         """The mini-batch statistics (grpo.loss.reduce_op names): the scale now, the steps skipped so far."""
         if not self.enabled:
             return {}
-        return dict(loss_scale_min=torch.tensor(self.scale, dtype=torch.float64),
-                    skipped_steps_max=torch.tensor(float(self.skipped_steps), dtype=torch.float64))
+        return dict(
+            loss_scale_min=torch.tensor(self.scale, dtype=torch.float64),
+            skipped_steps_max=torch.tensor(float(self.skipped_steps), dtype=torch.float64),
+        )
 
     def state_dict(self) -> dict:
         return dict(scale=self.scale, clean_steps=self.clean_steps, skipped_steps=self.skipped_steps)

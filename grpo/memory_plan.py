@@ -59,18 +59,29 @@ def _parameter_counts(model_config, target_modules: list[str], rank: int) -> dic
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     layers = model.model.layers
-    lora = sum(rank * (module.in_features + module.out_features)
-               for layer in layers for name, module in layer.named_modules()
-               if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules)
+    lora = sum(
+        rank * (module.in_features + module.out_features)
+        for layer in layers
+        for name, module in layer.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules
+    )
     total = sum(p.numel() for p in model.parameters())
     # FSDP2's root group: what no decoder layer holds (embedding, tied or own lm_head, final norm)
     root = total - sum(p.numel() for layer in layers for p in layer.parameters())
     # the lora_merge server's pristine copy: every block (attention, MLP) holding a target, siblings included
-    targeted = sum(sum(p.numel() for p in block.parameters())
-                   for layer in layers for block in layer.children()
-                   if any(name.rsplit(".", 1)[-1] in target_modules for name, _ in block.named_modules()))
-    return dict(total=total, layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers), lora=lora,
-                root=root, targeted=targeted)
+    targeted = sum(
+        sum(p.numel() for p in block.parameters())
+        for layer in layers
+        for block in layer.children()
+        if any(name.rsplit(".", 1)[-1] in target_modules for name, _ in block.named_modules())
+    )
+    return dict(
+        total=total,
+        layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        lora=lora,
+        root=root,
+        targeted=targeted,
+    )
 
 
 def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: bool) -> int:
@@ -81,8 +92,11 @@ def _activation_bytes(c, cfg: RecipeConfig, compute_bytes: int, checkpointing: b
     intermediate = getattr(c, "intermediate_size", 4 * c.hidden_size)
     # norms and residuals, q/k/v and their rotated copies, attention output, the MLP's gate/up/act/product
     per_layer = compute_bytes * tokens * (8 * c.hidden_size + 3 * qkv + 4 * intermediate)
-    stored = (compute_bytes * tokens * c.hidden_size * c.num_hidden_layers + per_layer if checkpointing
-              else per_layer * c.num_hidden_layers)
+    stored = (
+        compute_bytes * tokens * c.hidden_size * c.num_hidden_layers + per_layer
+        if checkpointing
+        else per_layer * c.num_hidden_layers
+    )
     # padding.packed_log_probs projects only the response positions, padding.logprob_chunk_size rows at a time
     # (each chunk recomputed in the backward); without chunks, every packed token's logits at once
     chunk = cfg.padding.logprob_chunk_size
@@ -108,8 +122,14 @@ def _sync_copies_bytes(params: int, sharded: bool, gather_bytes: int, weight_byt
     return params * ((gather_bytes + weight_bytes if sharded else 0) + weight_bytes)
 
 
-def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool | None = None,
-                compute_dtype: str | None = None, sharded: bool | None = None) -> dict:
+def memory_plan(
+    model_config,
+    cfg: RecipeConfig,
+    world: int,
+    checkpointing: bool | None = None,
+    compute_dtype: str | None = None,
+    sharded: bool | None = None,
+) -> dict:
     """Bytes per device of each term and each phase (see the module docstring).
 
     ``sharded``: whether FSDP2 shards the policy (default: world > 1, as the recipe does).
@@ -129,8 +149,9 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
         "KV cache": cfg.vllm.kv_cache_gb * GIB,
         "vLLM runtime": _vllm_runtime_bytes(model_config, cfg, world),
         # the largest group's (the root's) all-gather, its copies and vLLM's rebuilt layer, during a sync
-        "sync copies": max(_sync_copies_bytes(counts[group], sharded, compute_bytes, weight_bytes)
-                           for group in ("root", "layer")),
+        "sync copies": max(
+            _sync_copies_bytes(counts[group], sharded, compute_bytes, weight_bytes) for group in ("root", "layer")
+        ),
         # vLLM 0.32's sleep keeps CUDA graphs on the GPU (sleep_mode_offload_cudagraph=False): the runtime's margin
         "vLLM CUDA graphs": GIB if cfg.vllm.enable_sleep_mode and not cfg.vllm.enforce_eager else 0,
         "activations": _activation_bytes(model_config, cfg, compute_bytes, checkpointing),
@@ -140,14 +161,18 @@ def memory_plan(model_config, cfg: RecipeConfig, world: int, checkpointing: bool
         server = {name: terms[name] for name in ("vLLM weights", "KV cache", "vLLM runtime")}
         server["pristine base (host)"] = counts["targeted"] * weight_bytes
         # a server sync gathers LoRA factors only (no base weights unsharded, no engine here to rebuild a layer)
-        terms.update({name: 0.0 for name in ("vLLM weights", "KV cache", "vLLM runtime", "vLLM CUDA graphs",
-                                             "sync copies")})
+        terms.update(
+            {name: 0.0 for name in ("vLLM weights", "KV cache", "vLLM runtime", "vLLM CUDA graphs", "sync copies")}
+        )
     trainer = terms["policy shard"] + terms["LoRA + AdamW"]
     engine = terms["vLLM weights"] + terms["KV cache"] + terms["vLLM runtime"]
     phases = {
         "sync": trainer + terms["vLLM weights"] + terms["sync copies"],
         "rollout": trainer + engine,
-        "update": trainer + terms["unsharded layers"] + terms["unsharded root"] + terms["activations"]
+        "update": trainer
+        + terms["unsharded layers"]
+        + terms["unsharded root"]
+        + terms["activations"]
         + (terms["vLLM CUDA graphs"] if cfg.vllm.enable_sleep_mode else engine),
     }
     return dict(terms=terms, phases=phases, parameters=counts, server=server)
@@ -177,16 +202,20 @@ def check_fits(plan: dict, device_bytes: float, cfg: RecipeConfig) -> str | None
     phase, need = max(plan["phases"].items(), key=lambda item: item[1])
     if need <= 0.9 * device_bytes:
         return None
-    hints = [f"per_device_train_batch_size={cfg.per_device_train_batch_size} (activations "
-             f"{plan['terms']['activations'] / GIB:.1f} GiB)"]
+    hints = [
+        f"per_device_train_batch_size={cfg.per_device_train_batch_size} (activations "
+        f"{plan['terms']['activations'] / GIB:.1f} GiB)"
+    ]
     if not cfg.gradient_checkpointing:
         hints.append("gradient_checkpointing=true")
     if not cfg.vllm.enable_sleep_mode:
         hints.append("vllm.enable_sleep_mode=true (GPU)")
     hints.append(f"vllm.kv_cache_gb={cfg.vllm.kv_cache_gb:g}")
-    return (f"the configured run needs about {need / GIB:.1f} GiB per device in its {phase} phase, more than 90% of "
-            f"the device's {device_bytes / GIB:.1f} GiB; lower {', '.join(hints)}, or use more processes\n"
-            + format_plan(plan, device_bytes))
+    return (
+        f"the configured run needs about {need / GIB:.1f} GiB per device in its {phase} phase, more than 90% of "
+        f"the device's {device_bytes / GIB:.1f} GiB; lower {', '.join(hints)}, or use more processes\n"
+        + format_plan(plan, device_bytes)
+    )
 
 
 def main() -> None:
@@ -194,8 +223,11 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--world", type=int, nargs="+", default=[1, 8], help="processes (GPUs) to plan for")
     parser.add_argument("--device-gib", type=float, default=80.0, help="memory of one device")
-    parser.add_argument("--qwen3-4b-shape", action="store_true",
-                        help="plan for Qwen3-4B's architecture (grpo/qwen3_4b_shape.py) instead of model.name_or_path")
+    parser.add_argument(
+        "--qwen3-4b-shape",
+        action="store_true",
+        help="plan for Qwen3-4B's architecture (grpo/qwen3_4b_shape.py) instead of model.name_or_path",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     from transformers import AutoConfig
@@ -210,12 +242,16 @@ def main() -> None:
     for world in args.world:
         for checkpointing in (True, False):
             plan = memory_plan(model_config, cfg, world, checkpointing)
-            print(f"\n{cfg.model.name_or_path}, {world} device(s), gradient_checkpointing={checkpointing}, "
-                  f"sleep mode {cfg.vllm.enable_sleep_mode}:")
+            print(
+                f"\n{cfg.model.name_or_path}, {world} device(s), gradient_checkpointing={checkpointing}, "
+                f"sleep mode {cfg.vllm.enable_sleep_mode}:"
+            )
             print(format_plan(plan, args.device_gib * GIB))
             if plan["server"]:
-                print("  the server's own memory (vllm.mode=server): "
-                      + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in plan["server"].items()))
+                print(
+                    "  the server's own memory (vllm.mode=server): "
+                    + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in plan["server"].items())
+                )
             problem = check_fits(plan, args.device_gib * GIB, cfg)
             print("fits" if problem is None else "does NOT fit")
 

@@ -24,9 +24,16 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
     """This rank's statistics of a rollout step, reduced across ranks by name (a collective)."""
     mask = batch["response_mask"].bool()
     diff = (batch["vllm_logprobs"] - batch["old_logprobs"]).abs()[mask]
-    local = dict(reward_sum=rewards.nansum().item(), reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
-                 samples=len(rewards), logprob_diff_sum=diff.sum().item(), logprob_diff_count=diff.numel(),
-                 logprob_diff_max=diff.max().item() if diff.numel() else 0.0, **phases, **update_stats)
+    local = dict(
+        reward_sum=rewards.nansum().item(),
+        reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
+        samples=len(rewards),
+        logprob_diff_sum=diff.sum().item(),
+        logprob_diff_count=diff.numel(),
+        logprob_diff_max=diff.max().item() if diff.numel() else 0.0,
+        **phases,
+        **update_stats,
+    )
     kinds = {"sums": {}, "mins": {}, "maxs": {}}
     for name, value in local.items():
         # phase times: the slowest rank's; the merge's precision figures are the same on every rank
@@ -36,32 +43,49 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
     return reduce_across_ranks(**kinds)
 
 
-def step_metrics(total: dict, *, rollout_step: int, global_step: int, merge: bool, legacy_slice: bool,
-                 lr: float) -> dict:
+def step_metrics(
+    total: dict, *, rollout_step: int, global_step: int, merge: bool, legacy_slice: bool, lr: float
+) -> dict:
     """The metrics.jsonl line of a rollout step, from its statistics summed (min-ed, max-ed) over ranks."""
     n, ratios = total["samples"], max(1.0, total["ratio_count"])
     reward_mean = total["reward_sum"] / n
     metrics = dict(
-        rollout_step=rollout_step, global_step=global_step, merge=merge, legacy_slice=legacy_slice,
+        rollout_step=rollout_step,
+        global_step=global_step,
+        merge=merge,
+        legacy_slice=legacy_slice,
         reward_mean=reward_mean,
         reward_std=math.sqrt(max(0.0, total["reward_sq_sum"] / n - reward_mean**2)),
-        ratio_mean=total["ratio_sum"] / ratios, ratio_min=total["ratio_min"], ratio_max=total["ratio_max"],
+        ratio_mean=total["ratio_sum"] / ratios,
+        ratio_min=total["ratio_min"],
+        ratio_max=total["ratio_max"],
         ratio_onpolicy_mean=total["onpolicy_ratio_sum"] / max(1.0, total["onpolicy_ratio_count"]),
         ratio_onpolicy_maxdev=max(abs(total["onpolicy_ratio_max"] - 1), abs(1 - total["onpolicy_ratio_min"])),
         rollout_logprob_diff_mean=total["logprob_diff_sum"] / max(1, total["logprob_diff_count"]),
-        rollout_logprob_diff_max=total["logprob_diff_max"], rollout_tokens=int(total["rollout_tokens"]),
-        rollout_s=total["rollout_s"], rollout_tokens_per_s=total["rollout_tokens"] / total["rollout_s"],
-        sync_s=total["sync_s"], update_s=total["update_s"], peak_mem_gb=total["peak_mem_gb"],
-        loss=total["loss_sum"] / total["mini_batches"], lr=lr,
+        rollout_logprob_diff_max=total["logprob_diff_max"],
+        rollout_tokens=int(total["rollout_tokens"]),
+        rollout_s=total["rollout_s"],
+        rollout_tokens_per_s=total["rollout_tokens"] / total["rollout_s"],
+        sync_s=total["sync_s"],
+        update_s=total["update_s"],
+        peak_mem_gb=total["peak_mem_gb"],
+        loss=total["loss_sum"] / total["mini_batches"],
+        lr=lr,
     )
     if "clip_region" in total:
-        metrics.update(clip_frac=total["clip_region"] / ratios, clip_low_frac=total["clip_low"] / ratios,
-                       clip_high_frac=total["clip_high"] / ratios)
+        metrics.update(
+            clip_frac=total["clip_region"] / ratios,
+            clip_low_frac=total["clip_low"] / ratios,
+            clip_high_frac=total["clip_high"] / ratios,
+        )
     if "kl_sum" in total:
         metrics["kl"] = total["kl_sum"] / max(1.0, total["tokens"])
     if "vllm_ratio_sum" in total:
-        metrics.update(is_ratio_mean=total["vllm_ratio_sum"] / max(1.0, total["vllm_ratio_count"]),
-                       is_ratio_min=total["vllm_ratio_min"], is_ratio_max=total["vllm_ratio_max"])
+        metrics.update(
+            is_ratio_mean=total["vllm_ratio_sum"] / max(1.0, total["vllm_ratio_count"]),
+            is_ratio_min=total["vllm_ratio_min"],
+            is_ratio_max=total["vllm_ratio_max"],
+        )
     metrics.update({k: v for k, v in total.items() if k.startswith("sync_delta_")})
     if "loss_scale_min" in total:  # fp16: the lowest loss scale of this step's updates; steps skipped so far
         metrics.update(loss_scale=total["loss_scale_min"], skipped_steps=int(total["skipped_steps_max"]))
@@ -91,4 +115,3 @@ def peak_mem_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-

@@ -74,27 +74,33 @@ def fsdp_settings(env=os.environ) -> FSDPSettings:
     """
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision not in ("no", "bf16"):
-        raise ConfigError(f"accelerate config mixed_precision={precision!r} is not supported: use 'bf16' (bf16 compute, "
-                          "fp32 LoRA weights and gradient reduction) or 'no' (model.dtype decides; for fp16, 'no' with "
-                          "model.dtype=float16, which adds loss scaling)")
+        raise ConfigError(
+            f"accelerate config mixed_precision={precision!r} is not supported: use 'bf16' (bf16 compute, "
+            "fp32 LoRA weights and gradient reduction) or 'no' (model.dtype decides; for fp16, 'no' with "
+            "model.dtype=float16, which adds loss scaling)"
+        )
     if env.get("ACCELERATE_USE_FSDP", "false") != "true":
         return FSDPSettings(mixed_precision=precision)
     ram_efficient = env.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
     if ram_efficient is not None and ram_efficient.lower() in ("true", "1", "yes", "on"):
         # accelerate exports it as true when the YAML does not say; transformers then fills every weight with zeros
         # on each process whose LOCAL_RANK is not 0, for a broadcast that fully_shard never makes
-        raise ConfigError(f"accelerate config fsdp_cpu_ram_efficient_loading={ram_efficient!r} is not supported "
-                          "(accelerate sets it true when the config does not name it): with it, transformers loads "
-                          "all-zero weights on every process but local rank 0. Set `fsdp_cpu_ram_efficient_loading: "
-                          "false` in the accelerate config's fsdp_config (every process reads the checkpoint)")
+        raise ConfigError(
+            f"accelerate config fsdp_cpu_ram_efficient_loading={ram_efficient!r} is not supported "
+            "(accelerate sets it true when the config does not name it): with it, transformers loads "
+            "all-zero weights on every process but local rank 0. Set `fsdp_cpu_ram_efficient_loading: "
+            "false` in the accelerate config's fsdp_config (every process reads the checkpoint)"
+        )
     for variable, (key, accepted) in _FIXED_BEHAVIOUR.items():
         value = env.get(variable)
         if value not in accepted:
             raise ConfigError(f"accelerate config {key}={value!r} is not supported: {_WHY[key]}")
-    return FSDPSettings(reshard_after_forward=_flag(env, "FSDP_RESHARD_AFTER_FORWARD", "true"),
-                        offload_params=_flag(env, "FSDP_OFFLOAD_PARAMS", "false"),
-                        activation_checkpointing=_flag(env, "FSDP_ACTIVATION_CHECKPOINTING", "false"),
-                        mixed_precision=precision)
+    return FSDPSettings(
+        reshard_after_forward=_flag(env, "FSDP_RESHARD_AFTER_FORWARD", "true"),
+        offload_params=_flag(env, "FSDP_OFFLOAD_PARAMS", "false"),
+        activation_checkpointing=_flag(env, "FSDP_ACTIVATION_CHECKPOINTING", "false"),
+        mixed_precision=precision,
+    )
 
 
 # The oldest NVIDIA driver (Linux) that runs a CUDA build of each major version: NVIDIA's CUDA Toolkit release notes,
@@ -106,8 +112,12 @@ MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 def nvidia_driver_versions() -> list[str]:
     """The driver version `nvidia-smi` reports for each NVIDIA GPU of this machine; [] without nvidia-smi or GPUs."""
     try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
@@ -137,12 +147,16 @@ def check_cuda_usable(env=os.environ) -> None:
     if need and _version(found) < _version(need):
         why = f"NVIDIA driver {found} is older than CUDA {cuda} needs (>= {need})"
     else:
-        why = (f"torch.cuda.is_available() is false with NVIDIA driver {found} (check CUDA_VISIBLE_DEVICES and the "
-               "container's GPU access)")
-    raise ConfigError(f"this machine has {len(drivers)} NVIDIA GPU(s) that torch {torch.__version__} "
-                      f"(torch.version.cuda={cuda}) cannot use: {why}. Check with `nvidia-smi` (the driver version, "
-                      "and top right the newest CUDA it runs); update the driver, or install torch and vLLM builds "
-                      "for that CUDA. To run on the CPU instead, set CUDA_VISIBLE_DEVICES=''")
+        why = (
+            f"torch.cuda.is_available() is false with NVIDIA driver {found} (check CUDA_VISIBLE_DEVICES and the "
+            "container's GPU access)"
+        )
+    raise ConfigError(
+        f"this machine has {len(drivers)} NVIDIA GPU(s) that torch {torch.__version__} "
+        f"(torch.version.cuda={cuda}) cannot use: {why}. Check with `nvidia-smi` (the driver version, "
+        "and top right the newest CUDA it runs); update the driver, or install torch and vLLM builds "
+        "for that CUDA. To run on the CPU instead, set CUDA_VISIBLE_DEVICES=''"
+    )
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -182,16 +196,20 @@ def check_same_weights(model: torch.nn.Module, rank: int, world: int) -> str:
     for i, name in enumerate(names):
         differ = [r for r in range(world) if everyone[r][i] != everyone[0][i]]
         if differ:
-            raise RuntimeError(f"rank(s) {differ} hold other weights than rank 0 for {name!r} before sharding "
-                               f"(first of the parameters that differ): FSDP2 would train on each rank's own copy. "
-                               "Every process must load the same checkpoint (is fsdp_cpu_ram_efficient_loading set?)")
+            raise RuntimeError(
+                f"rank(s) {differ} hold other weights than rank 0 for {name!r} before sharding "
+                f"(first of the parameters that differ): FSDP2 would train on each rank's own copy. "
+                "Every process must load the same checkpoint (is fsdp_cpu_ram_efficient_loading set?)"
+            )
     return hashlib.sha1("".join(digests).encode()).hexdigest()
 
 
 def fully_shard_kwargs(settings: FSDPSettings, param_dtype: torch.dtype) -> dict:
     """The arguments every `fully_shard` call gets: compute in ``param_dtype``, reduce gradients in fp32."""
-    kwargs = dict(mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                  reshard_after_forward=settings.reshard_after_forward)
+    kwargs = dict(
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        reshard_after_forward=settings.reshard_after_forward,
+    )
     if settings.offload_params:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     return kwargs
@@ -241,9 +259,11 @@ def check_shared_output_dir(run_dir: Path, rank: int, world: int) -> None:
         marker.unlink()
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
     if blind:
-        raise ConfigError(f"output_dir: {run_dir} is not shared by all processes: {', '.join(blind)} cannot see the "
-                          f"files rank 0 (on {views[0][1]}) writes there. Rank 0 writes the checkpoints and the "
-                          "rollout adapter for every rank: put output_dir on a filesystem every node mounts")
+        raise ConfigError(
+            f"output_dir: {run_dir} is not shared by all processes: {', '.join(blind)} cannot see the "
+            f"files rank 0 (on {views[0][1]}) writes there. Rank 0 writes the checkpoints and the "
+            "rollout adapter for every rank: put output_dir on a filesystem every node mounts"
+        )
 
 
 def _all_reduce(values: list[float], op) -> list[float]:
@@ -256,8 +276,9 @@ def _all_reduce(values: list[float], op) -> list[float]:
     return tensor.tolist()
 
 
-def reduce_across_ranks(sums: dict[str, float] | None = None, mins: dict[str, float] | None = None,
-                        maxs: dict[str, float] | None = None) -> dict[str, float]:
+def reduce_across_ranks(
+    sums: dict[str, float] | None = None, mins: dict[str, float] | None = None, maxs: dict[str, float] | None = None
+) -> dict[str, float]:
     """Sum, min or max each named value over all ranks (one collective per kind); returns one dict of results."""
     out = {}
     for values, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):

@@ -22,11 +22,25 @@ from pathlib import Path
 import torch
 
 # Qwen/Qwen3-4B's config.json, less the fields that only name the released checkpoint
-QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
-                attention_bias=False, attention_dropout=0.0, initializer_range=0.02, use_sliding_window=False,
-                max_window_layers=36)
+QWEN3_4B = dict(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    use_sliding_window=False,
+    max_window_layers=36,
+)
 
 
 def qwen3_4b_config(num_layers: int = 36, tokenizer=None):
@@ -35,8 +49,11 @@ def qwen3_4b_config(num_layers: int = 36, tokenizer=None):
 
     tokens = {}
     if tokenizer is not None:
-        tokens = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
+        tokens = dict(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     return Qwen3Config(**{**QWEN3_4B, "num_hidden_layers": num_layers, "max_window_layers": num_layers}, **tokens)
 
 
@@ -55,9 +72,9 @@ def build_qwen3_4b_shape(out_dir: str | Path, num_layers: int = 36, dtype: str =
     tokenizer = build_tokenizer()
     config = qwen3_4b_config(num_layers, tokenizer)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # initializer_range 0.02
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -31,8 +31,8 @@ import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.config import VLLM_LORA_RANKS, ConfigError
-from grpo.faults import NonFiniteError
 from grpo.engine import EngineStateError, Sample
+from grpo.faults import NonFiniteError
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params
 from merge.vllm_compat import in_process_model, reload_vllm_weights
 
@@ -44,7 +44,10 @@ class WeightPushError(RuntimeError):
 # vLLM's in-place reload reports, in its log, each layer that got no tensor ("<Class>: Failed to load weights",
 # falling back to the layer's old weights), got only part of them ("<Class>: Delayed processing", at debug level)
 # and each parameter never loaded ("Following weights were not loaded from checkpoint: {...}").
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 # Embeddings are padded to a multiple of 64 rows (vLLM's vocab padding), which no checkpoint fills.
 _PADDED_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}
 
@@ -61,7 +64,8 @@ def finite_or_stop(weights):
                 f"weight sync: the merged {name} ({str(tensor.dtype).removeprefix('torch.')}) holds "
                 f"{int((~torch.isfinite(tensor)).sum())} inf/NaN entries (fp16's range ends at 65504); stopped before "
                 "vLLM could serve it. The trainer's weights are untouched; resume from the last checkpoint, e.g. "
-                "with a lower learning_rate, or train in bfloat16")
+                "with a lower learning_rate, or train in bfloat16"
+            )
         yield name, tensor
 
 
@@ -119,36 +123,62 @@ def max_lora_rank_for(rank: int) -> int:
 
 def check_vllm_lora_targets(model: torch.nn.Module, target_modules: list[str]) -> None:
     """lora.merge=false: vLLM serves LoRA on the decoder layers' linear projections only."""
-    servable = {name.rsplit(".", 1)[-1] for layer in decoder_layers(model)
-                for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)}
+    servable = {
+        name.rsplit(".", 1)[-1]
+        for layer in decoder_layers(model)
+        for name, module in layer.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
     unservable = sorted(set(target_modules) - servable)
     if unservable:
-        raise ConfigError(f"lora.merge=false: vLLM cannot serve LoRA on lora.target_modules {unservable}; it serves "
-                          f"the decoder layers' linear projections {sorted(servable)}. Drop them, or use "
-                          "lora.merge=true (merged weights serve any target)")
+        raise ConfigError(
+            f"lora.merge=false: vLLM cannot serve LoRA on lora.target_modules {unservable}; it serves "
+            f"the decoder layers' linear projections {sorted(servable)}. Drop them, or use "
+            "lora.merge=true (merged weights serve any target)"
+        )
 
 
 def recipe_engine_args(cfg, *, rank: int, world: int, device_type: str) -> dict:
     """The keyword arguments of `RolloutEngine` (and `engine_kwargs`) for the recipe's config on one rank."""
-    return dict(dtype=cfg.model.dtype, seed=cfg.seed + rank,
-                max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length, kv_cache_gb=cfg.vllm.kv_cache_gb,
-                enforce_eager=cfg.vllm.enforce_eager, max_num_seqs=cfg.vllm_max_num_seqs(world),
-                max_num_batched_tokens=cfg.vllm.max_num_batched_tokens, distributed=world > 1,
-                max_lora_rank=None if cfg.lora.merge else (cfg.vllm.max_lora_rank or cfg.lora.r),
-                device_type=device_type, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-                enable_sleep_mode=cfg.vllm.enable_sleep_mode)
+    return dict(
+        dtype=cfg.model.dtype,
+        seed=cfg.seed + rank,
+        max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length,
+        kv_cache_gb=cfg.vllm.kv_cache_gb,
+        enforce_eager=cfg.vllm.enforce_eager,
+        max_num_seqs=cfg.vllm_max_num_seqs(world),
+        max_num_batched_tokens=cfg.vllm.max_num_batched_tokens,
+        distributed=world > 1,
+        max_lora_rank=None if cfg.lora.merge else (cfg.vllm.max_lora_rank or cfg.lora.r),
+        device_type=device_type,
+        gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+        enable_sleep_mode=cfg.vllm.enable_sleep_mode,
+    )
 
 
 def recipe_llm_kwargs(cfg, *, rank: int, world: int, device_type: str) -> dict:
     """The arguments of ``vllm.LLM`` for the recipe's config on one rank; refuses what vLLM cannot do here."""
-    return engine_kwargs(cfg.model.name_or_path, **recipe_engine_args(cfg, rank=rank, world=world,
-                                                                      device_type=device_type))
+    return engine_kwargs(
+        cfg.model.name_or_path, **recipe_engine_args(cfg, rank=rank, world=world, device_type=device_type)
+    )
 
 
-def engine_kwargs(model: str, *, dtype: str, max_model_len: int, kv_cache_gb: float, seed: int = 0,
-                  enforce_eager: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                  max_lora_rank: int | None = None, distributed: bool = False, device_type: str = "cpu",
-                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False) -> dict:
+def engine_kwargs(
+    model: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gb: float,
+    seed: int = 0,
+    enforce_eager: bool = True,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    max_lora_rank: int | None = None,
+    distributed: bool = False,
+    device_type: str = "cpu",
+    gpu_memory_utilization: float = 0.3,
+    enable_sleep_mode: bool = False,
+) -> dict:
     """The arguments of ``vllm.LLM`` for a colocated rollout engine (a pure function: what reaches vLLM, testable).
 
     On GPU, vLLM's worker refuses to start unless free memory >= gpu_memory_utilization x total, even with an
@@ -175,8 +205,10 @@ def engine_kwargs(model: str, *, dtype: str, max_model_len: int, kv_cache_gb: fl
     if device_type == "cuda":
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     elif enable_sleep_mode:
-        raise ConfigError(f"vllm.enable_sleep_mode=true needs a GPU: vLLM has no sleep mode on {device_type!r}; "
-                          "set vllm.enable_sleep_mode=false")
+        raise ConfigError(
+            f"vllm.enable_sleep_mode=true needs a GPU: vLLM has no sleep mode on {device_type!r}; "
+            "set vllm.enable_sleep_mode=false"
+        )
     return kwargs
 
 
@@ -190,8 +222,10 @@ def in_process_vllm() -> None:
     import vllm.envs
 
     if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-        raise ConfigError("VLLM_ENABLE_V1_MULTIPROCESSING=1 is cached by an engine this process started earlier: "
-                          "the rollout engine must run in the trainer's process; unset the variable and start again")
+        raise ConfigError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING=1 is cached by an engine this process started earlier: "
+            "the rollout engine must run in the trainer's process; unset the variable and start again"
+        )
 
 
 class RolloutEngine:
@@ -207,8 +241,9 @@ class RolloutEngine:
     (level 1, kept in host memory). Generating on discarded weights that no push has replaced is refused.
     """
 
-    def __init__(self, llm_kwargs: dict, *, merge: bool = True, sleep_level: int | None = None,
-                 precision_stats: bool = False):
+    def __init__(
+        self, llm_kwargs: dict, *, merge: bool = True, sleep_level: int | None = None, precision_stats: bool = False
+    ):
         """``llm_kwargs``: the arguments of ``vllm.LLM``, as `engine_kwargs` builds them."""
         from vllm import LLM
 
@@ -229,20 +264,29 @@ class RolloutEngine:
         self.sleep()
 
     @classmethod
-    def for_model(cls, model: str, *, merge: bool = True, sleep_level: int | None = None,
-                  precision_stats: bool = False, **engine_args) -> "RolloutEngine":
+    def for_model(
+        cls,
+        model: str,
+        *,
+        merge: bool = True,
+        sleep_level: int | None = None,
+        precision_stats: bool = False,
+        **engine_args,
+    ) -> RolloutEngine:
         """An engine for ``model`` with `engine_kwargs`'s arguments (the benchmarks' and tests' way in)."""
-        return cls(engine_kwargs(model, **engine_args), merge=merge, sleep_level=sleep_level,
-                   precision_stats=precision_stats)
+        return cls(
+            engine_kwargs(model, **engine_args), merge=merge, sleep_level=sleep_level, precision_stats=precision_stats
+        )
 
     @classmethod
-    def from_config(cls, cfg, llm_kwargs: dict) -> "RolloutEngine":
+    def from_config(cls, cfg, llm_kwargs: dict) -> RolloutEngine:
         """The recipe's engine for ``cfg`` (its merge mode and sleep level), with the vLLM arguments the start-up
         built once (`recipe_llm_kwargs`)."""
         # vllm.sync=false pushes nothing, so the weights the engine starts with must survive its sleeps (level 1)
         sleep_level = 2 if cfg.lora.merge and cfg.vllm.sync else 1
-        return cls(llm_kwargs, merge=cfg.lora.merge, sleep_level=sleep_level,
-                   precision_stats=cfg.vllm.sync_precision_stats)
+        return cls(
+            llm_kwargs, merge=cfg.lora.merge, sleep_level=sleep_level, precision_stats=cfg.vllm.sync_precision_stats
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -290,7 +334,8 @@ class RolloutEngine:
             raise WeightPushError(
                 f"the weight push left vLLM serving stale weights: parameters never loaded {sorted(audit.not_loaded)}; "
                 f"layers that received no tensor {empty}; layers that received only part of theirs {partial}. "
-                "The pushed names must be the model's checkpoint names (as save_pretrained writes them)")
+                "The pushed names must be the model's checkpoint names (as save_pretrained writes them)"
+            )
 
     def sync_merged(self, model) -> dict[str, float]:
         """Push the peft policy with its LoRA merged (`merged_lora_params`; a collective under FSDP2).
@@ -327,20 +372,36 @@ class RolloutEngine:
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
         """Sample completions for token-id prompts; one `Sample` per completion, prompt by prompt."""
         if self.sleep_level and not self.in_phase:
-            raise EngineStateError("generate() outside `with engine.awake():` under sleep mode: nothing would put "
-                                   "the engine back to sleep for the update phase")
+            raise EngineStateError(
+                "generate() outside `with engine.awake():` under sleep mode: nothing would put "
+                "the engine back to sleep for the update phase"
+            )
         self.wake_up("weights")
         if self.weights_discarded:
-            raise EngineStateError("generate() on weights that a level-2 sleep discarded and no push has replaced: "
-                                   "sync the policy first (sync_policy / push_weights)")
+            raise EngineStateError(
+                "generate() on weights that a level-2 sleep discarded and no push has replaced: "
+                "sync the policy first (sync_policy / push_weights)"
+            )
         self.wake_up("kv_cache")
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling,
-                                    lora_request=self.lora_request, use_tqdm=use_tqdm)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids],
+            sampling,
+            lora_request=self.lora_request,
+            use_tqdm=use_tqdm,
+        )
         samples = []
         for index, (ids, out) in enumerate(zip(prompt_ids, outputs)):
             for comp in out.outputs:
                 tokens = list(comp.token_ids)
                 logprobs = [lp[t].logprob for lp, t in zip(comp.logprobs, tokens)] if comp.logprobs else []
-                samples.append(Sample(prompt_ids=ids, completion_ids=tokens, text=comp.text, logprobs=logprobs,
-                                      truncated=comp.finish_reason == "length", prompt_index=index))
+                samples.append(
+                    Sample(
+                        prompt_ids=ids,
+                        completion_ids=tokens,
+                        text=comp.text,
+                        logprobs=logprobs,
+                        truncated=comp.finish_reason == "length",
+                        prompt_index=index,
+                    )
+                )
         return samples

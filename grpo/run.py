@@ -27,23 +27,32 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from grpo.checkpointing import check_resumable, list_checkpoints, load_checkpoint, resolve_checkpoint
 from grpo.config import ConfigError, RecipeConfig, config_to_dict
 from grpo.data import check_reward_columns, held_out_problems, load_problems, load_reward_funcs, tokenize_prompts
-from grpo.faults import LogprobGuard
-from grpo.loss_scaling import DynamicLossScale
-from grpo.loss import LossSettings
-from grpo.memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
-from grpo.parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_same_weights,
-                           check_shared_output_dir, fsdp_settings, init_distributed)
-from grpo.rollout_engine import RolloutEngine, check_vllm_lora_targets, recipe_llm_kwargs
 from grpo.engine import Engine
+from grpo.faults import LogprobGuard
+from grpo.loss import LossSettings
+from grpo.loss_scaling import DynamicLossScale
+from grpo.memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
+from grpo.parallel import (
+    FSDPSettings,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    check_same_weights,
+    check_shared_output_dir,
+    fsdp_settings,
+    init_distributed,
+)
+from grpo.rollout_engine import RolloutEngine, check_vllm_lora_targets, recipe_llm_kwargs
 from grpo.server_engine import ServerEngine
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
 
 log = logging.getLogger("grpo")
-EMBEDDED_DEFAULT_HINT = ("The embedded default runs offline: accelerate launch --config_file "
-                         "accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_qwen3_4b.py --config "
-                         "recipes/configs/tiny_cpu.yaml")
+EMBEDDED_DEFAULT_HINT = (
+    "The embedded default runs offline: accelerate launch --config_file "
+    "accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_qwen3_4b.py --config "
+    "recipes/configs/tiny_cpu.yaml"
+)
 
 
 def crossed(every: int, before: int, after: int) -> bool:
@@ -90,13 +99,15 @@ class Run:
         """Evaluate before training, when eval_steps optimizer steps have passed, and at the end (if eval_steps)."""
         if self.cfg.eval_steps is None:
             return False
-        return (rollout_steps_done in (0, self.num_rollout_steps) or crossed(
-            self.cfg.eval_steps, self.global_step(rollout_steps_done - 1), self.global_step(rollout_steps_done)))
+        return rollout_steps_done in (0, self.num_rollout_steps) or crossed(
+            self.cfg.eval_steps, self.global_step(rollout_steps_done - 1), self.global_step(rollout_steps_done)
+        )
 
     def save_due(self, rollout_step: int) -> bool:
         """Whether this rollout step crossed a multiple of save_steps (optimizer steps), or is the last one."""
         return rollout_step == self.num_rollout_steps or crossed(
-            self.cfg.save_steps, self.global_step(rollout_step - 1), self.global_step(rollout_step))
+            self.cfg.save_steps, self.global_step(rollout_step - 1), self.global_step(rollout_step)
+        )
 
     @property
     def logprob_options(self) -> dict:
@@ -124,8 +135,11 @@ def free_run_name(output_dir: str, run_name: str) -> str:
 def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rollout_step: int) -> Path:
     """Create <output_dir>/<run_name>/ (rank 0), route the log into its train.log, trim metrics.jsonl on resume."""
     run_dir = Path(cfg.output_dir) / cfg.run_name
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
@@ -137,8 +151,9 @@ def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rol
         earlier = metrics_file.read_text().splitlines() if resume and metrics_file.exists() else []
         # a resumed run keeps the rollout steps up to its checkpoint and redoes the rest (evaluations from the
         # checkpoint's weights on, too: they come again after the first sync)
-        metrics_file.write_text("".join(line + "\n" for line in earlier if keep_on_resume(json.loads(line),
-                                                                                        resumed_rollout_step)))
+        metrics_file.write_text(
+            "".join(line + "\n" for line in earlier if keep_on_resume(json.loads(line), resumed_rollout_step))
+        )
     return run_dir
 
 
@@ -165,11 +180,16 @@ def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     name = cfg.model.name_or_path
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     if not Path(name).exists() and (offline or name.startswith(("/", ".", "~")) or name.count("/") != 1):
-        raise ConfigError(f"model.name_or_path={name!r} does not exist locally" + (" and HF_HUB_OFFLINE=1" if offline else "")
-                          + f". {EMBEDDED_DEFAULT_HINT}")
+        raise ConfigError(
+            f"model.name_or_path={name!r} does not exist locally"
+            + (" and HF_HUB_OFFLINE=1" if offline else "")
+            + f". {EMBEDDED_DEFAULT_HINT}"
+        )
     if not Path(name).exists() and not hub_reachable_or_cached(name):
-        raise ConfigError(f"model.name_or_path={name!r} is not in the local Hugging Face cache and the hub cannot be "
-                          f"reached. {EMBEDDED_DEFAULT_HINT}")
+        raise ConfigError(
+            f"model.name_or_path={name!r} is not in the local Hugging Face cache and the hub cannot be "
+            f"reached. {EMBEDDED_DEFAULT_HINT}"
+        )
 
 
 def hub_reachable_or_cached(repo_id: str) -> bool:
@@ -195,8 +215,10 @@ def model_config_of(cfg: RecipeConfig):
         return AutoConfig.from_pretrained(cfg.model.name_or_path)
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r} holds no model config ({first_line}). "
-                          f"{EMBEDDED_DEFAULT_HINT}") from None
+        raise ConfigError(
+            f"model.name_or_path={cfg.model.name_or_path!r} holds no model config ({first_line}). "
+            f"{EMBEDDED_DEFAULT_HINT}"
+        ) from None
 
 
 def check_lora_targets(cfg: RecipeConfig, model_config) -> None:
@@ -207,20 +229,28 @@ def check_lora_targets(cfg: RecipeConfig, model_config) -> None:
     modules = [name for name, _ in model.named_modules()]
     params = [name for name, _ in model.named_parameters()]
     targets = cfg.lora.target_modules if isinstance(cfg.lora.target_modules, list) else []
-    for key, names, entries in (("lora.target_modules", modules, targets),
-                                ("lora.target_parameters", params, cfg.lora.target_parameters or [])):
+    for key, names, entries in (
+        ("lora.target_modules", modules, targets),
+        ("lora.target_parameters", params, cfg.lora.target_parameters or []),
+    ):
         missing = [t for t in entries if t != "all-linear" and not any(n == t or n.endswith(f".{t}") for n in names)]
         if missing:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names if ".layers.0." in n})
-            raise ConfigError(f"{key}={entries} names {missing}, which match nothing in {cfg.model.name_or_path}; "
-                              f"its decoder layers hold {leaves}")
+            raise ConfigError(
+                f"{key}={entries} names {missing}, which match nothing in {cfg.model.name_or_path}; "
+                f"its decoder layers hold {leaves}"
+            )
 
 
 def check_memory(cfg: RecipeConfig, model_config, world: int, device: torch.device, fsdp: FSDPSettings) -> None:
     """Log the memory plan per device; stop before loading anything if its largest phase cannot fit."""
-    plan = memory_plan(model_config, cfg, world,
-                       checkpointing=cfg.gradient_checkpointing or fsdp.activation_checkpointing,
-                       compute_dtype="bfloat16" if fsdp.mixed_precision == "bf16" else cfg.model.dtype)
+    plan = memory_plan(
+        model_config,
+        cfg,
+        world,
+        checkpointing=cfg.gradient_checkpointing or fsdp.activation_checkpointing,
+        compute_dtype="bfloat16" if fsdp.mixed_precision == "bf16" else cfg.model.dtype,
+    )
     available = device_memory_bytes(device)
     log.info("memory plan per device (grpo/memory_plan.py):\n%s", format_plan(plan, available))
     problem = check_fits(plan, available, cfg)
@@ -251,9 +281,11 @@ def build_policy(cfg: RecipeConfig, device: torch.device, rank: int, world: int,
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     unservable = [] if cfg.lora.merge else vllm_unservable_lora_targets(model, device.type)
     if unservable:
-        raise ConfigError(f"lora.merge=false: vLLM 0.32 cannot serve these LoRA targets unmerged on {device.type}: "
-                          f"{unservable[:4]}{' ...' if len(unservable) > 4 else ''} (merge/vllm_compat.py says why); "
-                          "use lora.merge=true (merged weights serve every target)")
+        raise ConfigError(
+            f"lora.merge=false: vLLM 0.32 cannot serve these LoRA targets unmerged on {device.type}: "
+            f"{unservable[:4]}{' ...' if len(unservable) > 4 else ''} (merge/vllm_compat.py says why); "
+            "use lora.merge=true (merged weights serve every target)"
+        )
     compute_dtype = torch.bfloat16 if fsdp.mixed_precision == "bf16" else dtype
     if world > 1:
         apply_fsdp(model, compute_dtype, fsdp)
@@ -278,8 +310,10 @@ def setup(cfg: RecipeConfig) -> Run:
     """Processes, run folder, data, policy, optimizer, rollout engine; resumed from a checkpoint if asked."""
     fsdp = fsdp_settings()
     if fsdp.mixed_precision == "bf16" and cfg.model.dtype == "float16":
-        raise ConfigError("model.dtype=float16 with accelerate's mixed_precision='bf16' would compute in bf16 on fp16 "
-                          "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)")
+        raise ConfigError(
+            "model.dtype=float16 with accelerate's mixed_precision='bf16' would compute in bf16 on fp16 "
+            "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)"
+        )
     rank, world, device = init_distributed()
     # the engine's arguments, built once: refuses what vLLM cannot do here (or a server that is not there), before
     # any work
@@ -302,8 +336,13 @@ def setup(cfg: RecipeConfig) -> Run:
     check_lora_targets(cfg, model_config)
     run_dir = start_run_dir(cfg, rank, resume, resumed)
     if run_dir != named_dir:
-        log.info("%s already holds a run (%s), so this one writes to %s; to continue that run instead, add "
-                 "resume_from_checkpoint=last", named_dir, list_checkpoints(named_dir)[-1].name, run_dir)
+        log.info(
+            "%s already holds a run (%s), so this one writes to %s; to continue that run instead, add "
+            "resume_from_checkpoint=last",
+            named_dir,
+            list_checkpoints(named_dir)[-1].name,
+            run_dir,
+        )
     check_shared_output_dir(run_dir, rank, world)
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
     torch.manual_seed(cfg.seed + rank)
@@ -318,8 +357,12 @@ def setup(cfg: RecipeConfig) -> Run:
     eval_problems = held_out_problems(cfg, tokenizer, problems)
 
     model, compute_dtype = build_policy(cfg, device, rank, world, fsdp)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+    )
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_rollout_steps * updates_per_rollout))
@@ -333,11 +376,26 @@ def setup(cfg: RecipeConfig) -> Run:
     loss_scale = DynamicLossScale(enabled=compute_dtype == torch.float16)
     loss_scale.load_state_dict(resumed_state.get("loss_scale"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return Run(cfg=cfg, rank=rank, world=world, device=device, run_dir=run_dir, problems=problems,
-               reward_funcs=reward_funcs, pad_id=pad_id, model=model, optimizer=optimizer, scheduler=scheduler,
-               engine=engine, eval_problems=eval_problems,
-               trackers=Trackers(trackers, cfg.run_name, run_dir / "runs", config_to_dict(cfg), rank), loss_settings=LossSettings.from_config(cfg, num_processes=world),
-               compute_dtype=compute_dtype, num_rollout_steps=num_rollout_steps, resumed_rollout_step=resumed,
-               last_checkpoint=resume, guard=LogprobGuard(cfg, resumed_state.get("logprob_diff_baseline")),
-               loss_scale=loss_scale)
-
+    return Run(
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        device=device,
+        run_dir=run_dir,
+        problems=problems,
+        reward_funcs=reward_funcs,
+        pad_id=pad_id,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        eval_problems=eval_problems,
+        trackers=Trackers(trackers, cfg.run_name, run_dir / "runs", config_to_dict(cfg), rank),
+        loss_settings=LossSettings.from_config(cfg, num_processes=world),
+        compute_dtype=compute_dtype,
+        num_rollout_steps=num_rollout_steps,
+        resumed_rollout_step=resumed,
+        last_checkpoint=resume,
+        guard=LogprobGuard(cfg, resumed_state.get("logprob_diff_baseline")),
+        loss_scale=loss_scale,
+    )

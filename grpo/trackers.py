@@ -31,11 +31,14 @@ def check_report_to(report_to: list[str]) -> list[str]:
         return sorted(available)
     for name in report_to:
         if name not in known:
-            raise ConfigError(f"report_to={name!r} is not a tracker accelerate knows; choose from "
-                              f"{['none', 'all', *sorted(known)]}")
+            raise ConfigError(
+                f"report_to={name!r} is not a tracker accelerate knows; choose from {['none', 'all', *sorted(known)]}"
+            )
         if name not in available:
-            raise ConfigError(f"report_to={name!r} needs its package installed (pip install {name}); installed: "
-                              f"{sorted(available) or 'none'}")
+            raise ConfigError(
+                f"report_to={name!r} needs its package installed (pip install {name}); installed: "
+                f"{sorted(available) or 'none'}"
+            )
     return list(report_to)
 
 

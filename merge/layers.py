@@ -101,7 +101,6 @@ def check_supported(model: torch.nn.Module) -> str:
     return adapter
 
 
-
 def checkpoint_converted_names(model: PeftModel) -> set[str]:
     """The in-memory names whose checkpoint form differs (renamed, split, fused or transposed on save).
 
@@ -131,4 +130,3 @@ def in_checkpoint_format(
             yield name, tensor
     if pending:
         yield from revert_weight_conversion(base, pending).items()
-

@@ -23,11 +23,11 @@ class MergePrecisionStats:
     the entries with ``Δ ≠ 0`` whose ``d`` is 0 (updates rounded away entirely). NaN where undefined (``Δ = 0``
     everywhere, e.g. peft's initial ``B = 0``).
 
-    Meant for a target dtype below fp32 (bf16/fp16 engines), though it measures whatever dtype is yielded (with
-    fp32 it only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor reduced in
-    fp32 by ``torch.dot``, accumulated in float64) so that the merge never waits on the device; :meth:`metrics` reads them (one
-    sync). Under FSDP2 every rank merges the unsharded (full) layer, so every rank accumulates the same sums and
-    no reduction is needed. Accumulates across calls until :meth:`reset`.
+    Meant for a target dtype below fp32 (bf16/fp16 engines), though it measures whatever dtype is yielded (with fp32 it
+    only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor reduced in fp32 by
+    ``torch.dot``, accumulated in float64) so that the merge never waits on the device; :meth:`metrics` reads them (one
+    sync). Under FSDP2 every rank merges the unsharded (full) layer, so every rank accumulates the same sums and no
+    reduction is needed. Accumulates across calls until :meth:`reset`.
     """
 
     FIELDS = ("dot", "delta_sq", "err_sq", "nonzero", "zeroed")  # Σ⟨d,Δ⟩, Σ‖Δ‖², Σ‖d−Δ‖², #(Δ≠0), #(Δ≠0, d=0)

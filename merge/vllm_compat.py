@@ -21,8 +21,13 @@ from peft.tuners.lora import LoraLayer, ParamWrapper
 
 from merge.layers import normalize_peft_param_name
 
-__all__ = ["reload_vllm_weights", "in_process_model", "vllm_unservable_lora_targets", "has_fused_experts",
-           "reload_repacking_cpu_experts"]
+__all__ = [
+    "reload_vllm_weights",
+    "in_process_model",
+    "vllm_unservable_lora_targets",
+    "has_fused_experts",
+    "reload_repacking_cpu_experts",
+]
 
 
 def reload_repacking_cpu_experts(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -230,7 +230,7 @@ class LoraUpdate:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def cast(self, dtype: torch.dtype | None) -> "LoraUpdate":
+    def cast(self, dtype: torch.dtype | None) -> LoraUpdate:
         """The same update with every floating-point tensor cast to ``dtype`` (None: unchanged)."""
         if dtype is None:
             return self
@@ -260,8 +260,9 @@ def lora_update(model) -> LoraUpdate:
             if adapter not in module.lora_A:
                 continue
             name = normalize_peft_param_name(f"{module_name}.{module.parameter_name}")
-            delta = _parameter_delta(module, adapter, _full(module.lora_A[adapter].weight),
-                                     _full(module.lora_B[adapter].weight))
+            delta = _parameter_delta(
+                module, adapter, _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
+            )
             for target, part in revert_weight_conversion(base, {name: delta}).items():
                 update.add({"target": target, "kind": "delta"}, [part.contiguous()], part.shape)
             continue
@@ -277,8 +278,11 @@ def lora_update(model) -> LoraUpdate:
         target = f"{normalize_peft_param_name(module_name)}.weight"
         # peft: Linear delta = transpose(B @ A, fan_in_fan_out) * s; Embedding delta = (B @ A).T * s
         transpose = embedding or bool(getattr(module, "fan_in_fan_out", False))
-        update.add({"target": target, "kind": "lora", "scale": float(module.scaling[adapter]), "transpose": transpose},
-                   [_full(b), _full(a)], module.get_base_layer().weight.shape)
+        update.add(
+            {"target": target, "kind": "lora", "scale": float(module.scaling[adapter]), "transpose": transpose},
+            [_full(b), _full(a)],
+            module.get_base_layer().weight.shape,
+        )
     return update
 
 
@@ -350,11 +354,12 @@ def _pristine_base(model_config, targets: dict[str, list[int]], device: torch.de
     for path in files:
         with safe_open(path, "pt", device="cpu") as f:
             where.update((name, path) for name in f.keys())
-    for name, shape in targets.items():
+    for name in targets:
         if name not in where:
             raise WeightTransferError(
                 f"the trainer's adapter changes {name}, which the server's model {model_config.model} does not have: "
-                "the server must serve the trainer's base model")
+                "the server must serve the trainer's base model"
+            )
     keys = {_sibling_key(name) for name in targets}
     names = [name for group in layerwise_groups(list(where)) for name in group if _sibling_key(name) in keys]
     base = {}
@@ -366,7 +371,8 @@ def _pristine_base(model_config, targets: dict[str, list[int]], device: torch.de
         if list(base[name].shape) != list(shape):
             raise WeightTransferError(
                 f"{name}: the server's model {model_config.model} holds it as {list(base[name].shape)}, the "
-                f"trainer's as {list(shape)}: the server must serve the trainer's base model")
+                f"trainer's as {list(shape)}: the server must serve the trainer's base model"
+            )
     return {name: base[name] for name in names}
 
 
@@ -378,8 +384,13 @@ def _reload(engine, weights) -> None:
     from merge.vllm_compat import reload_repacking_cpu_experts
 
     def reload(weights_iterator, is_checkpoint_format):
-        reload_weights(engine.vllm_config, engine.model, weights_iterator=weights_iterator, weights_path=None,
-                       is_checkpoint_format=is_checkpoint_format)
+        reload_weights(
+            engine.vllm_config,
+            engine.model,
+            weights_iterator=weights_iterator,
+            weights_path=None,
+            is_checkpoint_format=is_checkpoint_format,
+        )
 
     worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: engine.model), reload_weights=reload)
     reload_repacking_cpu_experts(worker, weights)
@@ -407,8 +418,14 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         self.transport = init_info.transport
         self.is_first_worker = rank == 1
-        self.group = _open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                 init_info.transport, init_info.timeout_s)
+        self.group = _open_group(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            init_info.transport,
+            init_info.timeout_s,
+        )
         try:
             device = self.device if init_info.base_on_device else torch.device("cpu")
             if init_info.update == "lora":
@@ -416,8 +433,13 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         except Exception as error:
             self._reply({"ok": False, "error": str(error)})
             raise
-        self._reply({"ok": True, "base_tensors": len(self.base),
-                     "base_bytes": sum(t.numel() * t.element_size() for t in self.base.values())})
+        self._reply(
+            {
+                "ok": True,
+                "base_tensors": len(self.base),
+                "base_bytes": sum(t.numel() * t.element_size() for t in self.base.values()),
+            }
+        )
 
     def _reply(self, reply: dict) -> None:
         if self.is_first_worker:
@@ -465,7 +487,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         def view(slot, to=torch.float32):
             dtype_name, offset, shape = slot
             numel = int(torch.Size(shape).numel())
-            return buffers[dtype_name][offset:offset + numel].view(shape).to(self.device, to)
+            return buffers[dtype_name][offset : offset + numel].view(shape).to(self.device, to)
 
         for entry in entries:
             if entry["kind"] == "weight":
@@ -579,29 +601,39 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         self.last_sync: dict[str, float] = {}  # bytes and seconds of the last send_weights (rank 0)
 
     @classmethod
-    def trainer_init(cls, init_info: LoraMergeTrainerInitInfo, *, client, source=None) -> "LoraMergeTrainer":
+    def trainer_init(cls, init_info: LoraMergeTrainerInitInfo, *, client, source=None) -> LoraMergeTrainer:
         return cls(client=client, init_info=init_info)
 
     @classmethod
-    def connect(cls, url_or_llm, *, rank: int, timeout: float = 600.0, **settings) -> "LoraMergeTrainer":
+    def connect(cls, url_or_llm, *, rank: int, timeout: float = 600.0, **settings) -> LoraMergeTrainer:
         """A trainer engine driving the server at a URL through vLLM's HTTP RL routes (`HTTPPausingWeightSyncClient`),
         or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it."""
-        client = (HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout) if isinstance(url_or_llm, str)
-                  else LLMWeightSyncClient(url_or_llm))
+        client = (
+            HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout)
+            if isinstance(url_or_llm, str)
+            else LLMWeightSyncClient(url_or_llm)
+        )
         return cls(client=client, init_info=LoraMergeTrainerInitInfo(rank=rank, timeout_s=timeout, **settings))
 
     def _connect(self, targets: dict[str, list[int]]) -> None:
         info = self.init_info
         port = info.master_port or _free_port(info.master_address)
-        worker_info = asdict(LoraMergeInitInfo(master_address=info.master_address, master_port=port,
-                                               world_size=1 + info.num_workers, targets=targets,
-                                               transport=info.transport, base_on_device=info.base_on_device,
-                                               timeout_s=info.timeout_s, update=info.update))
+        worker_info = asdict(
+            LoraMergeInitInfo(
+                master_address=info.master_address,
+                master_port=port,
+                world_size=1 + info.num_workers,
+                targets=targets,
+                transport=info.transport,
+                base_on_device=info.base_on_device,
+                timeout_s=info.timeout_s,
+                update=info.update,
+            )
+        )
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             call = pool.submit(self.client.init_weight_transfer_engine, worker_info)
-            self.group = _open_group(info.master_address, port, 0, 1 + info.num_workers, info.transport,
-                                     info.timeout_s)
+            self.group = _open_group(info.master_address, port, 0, 1 + info.num_workers, info.transport, info.timeout_s)
             reply = _recv_reply(self.group, info.transport, call, f"{BACKEND} init")
             if not reply["ok"]:
                 raise WeightTransferError(reply["error"])

@@ -74,9 +74,7 @@ def response_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor):
     _check_mask(attention_mask)
     batch, total = attention_mask.shape
     if response_mask.dim() != 2 or response_mask.shape[0] != batch or response_mask.shape[1] > total:
-        raise ValueError(
-            f"response_mask must be [B={batch}, R<={total}], got shape {tuple(response_mask.shape)}"
-        )
+        raise ValueError(f"response_mask must be [B={batch}, R<={total}], got shape {tuple(response_mask.shape)}")
     width = response_mask.shape[1]
     prompt_lens = attention_mask[:, : total - width].sum(dim=1)
     empty = torch.nonzero(prompt_lens == 0).flatten().tolist()
@@ -135,4 +133,3 @@ def legacy_slice_response(
     sliced = padded[:, -width - 1 : -1]
     keep = response_mask.bool().view(batch, width, *([1] * (values.dim() - 1)))
     return torch.where(keep, sliced, torch.zeros_like(sliced))
-

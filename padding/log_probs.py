@@ -63,8 +63,16 @@ class _ResponseHead(torch.nn.Module):
     head's own ``__call__``: peft LoRA on the head, hooks and FSDP unshard hooks included) instead of keeping them.
     """
 
-    def __init__(self, head, targets, temperature: float, chunk_size: int, entropies: list | None, top_k: int = 0,
-                 top_p: float = 1.0):
+    def __init__(
+        self,
+        head,
+        targets,
+        temperature: float,
+        chunk_size: int,
+        entropies: list | None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ):
         super().__init__()
         object.__setattr__(self, "head", head)  # not registered: the model's parameter names stay as they are
         self.targets, self.temperature, self.chunk_size, self.entropies = targets, temperature, chunk_size, entropies
@@ -80,8 +88,10 @@ class _ResponseHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] != self.targets.shape[0]:
-            raise RuntimeError(f"the LM head got hidden states {tuple(hidden.shape)}, expected [1, "
-                               f"{self.targets.shape[0]}, H]: the model did not apply logits_to_keep as an index")
+            raise RuntimeError(
+                f"the LM head got hidden states {tuple(hidden.shape)}, expected [1, "
+                f"{self.targets.shape[0]}, H]: the model did not apply logits_to_keep as an index"
+            )
         if hidden.shape[1] == 0:  # nothing to score; keep the graph connected (zero gradients)
             self.output = hidden[:, :, 0].float()
             return self.output
@@ -106,8 +116,9 @@ def _parent_of(model: torch.nn.Module, child: torch.nn.Module) -> tuple[torch.nn
     raise RuntimeError("the model's output embeddings (LM head) are not one of its submodules")
 
 
-def sampled_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                      chunk_size: int = 1024) -> torch.Tensor:
+def sampled_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int, top_p: float, chunk_size: int = 1024
+) -> torch.Tensor:
     """Log-probs ``[T]`` of ``targets`` under the distribution vLLM samples from, given raw ``[T, V]`` logits:
     ``log_softmax(logits / T)``, or, when top-k / top-p truncate, vLLM's renormalised truncated distribution
     (:mod:`padding.sampling`), whose log-probs vLLM returns as ``processed_logprobs``."""
@@ -118,12 +129,9 @@ def sampled_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
     return selective_log_softmax(logits, targets, chunk_size=chunk_size)
 
 
-def _full_logits_values(model, packed: PackedBatch, temperature: float, return_entropy: bool, top_k: int,
-                        top_p: float):
+def _full_logits_values(model, packed: PackedBatch, temperature: float, return_entropy: bool, top_k: int, top_p: float):
     """Every packed position's ``[T, V]`` logits -> ``values`` ``[T]`` (and entropies)."""
-    logits = model(
-        input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False
-    ).logits[0]
+    logits = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False).logits[0]
     # values[k] scores packed token k + 1; the last slot (and each sample's last) is never read.
     targets = torch.roll(packed.input_ids, shifts=-1)
     values = sampled_log_probs(logits, targets, temperature, top_k, top_p)
@@ -193,13 +201,19 @@ def packed_log_probs(
     response_head = _ResponseHead(head, targets, temperature, chunk_size, entropies, top_k, top_p)
     setattr(parent, name, response_head)
     try:
-        output = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False,
-                       logits_to_keep=positions).logits
+        output = model(
+            input_ids=packed.input_ids[None],
+            position_ids=packed.position_ids[None],
+            use_cache=False,
+            logits_to_keep=positions,
+        ).logits
     finally:
         setattr(parent, name, head)
     if output is not response_head.output:  # e.g. a logit soft-cap or scale applied after the head
-        raise RuntimeError(f"{type(model).__name__} changes its LM head's output before returning it as logits: "
-                           "run packed_log_probs with chunk_size=None (full logits)")
+        raise RuntimeError(
+            f"{type(model).__name__} changes its LM head's output before returning it as logits: "
+            "run packed_log_probs with chunk_size=None (full logits)"
+        )
     log_probs = torch.zeros(read.shape, dtype=torch.float32, device=output.device).index_put((read,), output[0])
     if not return_entropy:
         return log_probs

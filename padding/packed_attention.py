@@ -29,8 +29,13 @@ import torch
 from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function,
-                                        packed_sequence_mask_function, sdpa_mask)
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
+    causal_mask_function,
+    packed_sequence_mask_function,
+    sdpa_mask,
+)
 
 PACKED_SDPA = "packed_sdpa"
 # False: the per-sample loop on CUDA too (recipes/gpu_check.py compares both)
@@ -65,7 +70,7 @@ def packed_sample_bounds(position_ids: torch.Tensor | None, length: int) -> list
         if ref() is position_ids and version == position_ids._version:
             return bounds
     bounds = _bounds_from_positions(position_ids[0].tolist())  # the one device -> host read
-    _CACHE[:] = [entry for entry in _CACHE if entry[0]() is not None][-(_CACHE_SIZE - 1):]
+    _CACHE[:] = [entry for entry in _CACHE if entry[0]() is not None][-(_CACHE_SIZE - 1) :]
     _CACHE.append((weakref.ref(position_ids), position_ids._version, bounds))
     return bounds
 
@@ -99,8 +104,18 @@ def _varlen_attention(module, query, key, value, bounds: list[int], scaling):
     longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
     # [T, H, D] rows, made contiguous as transformers' own flash_attention_2 path does (one copy per layer)
     query, key, value = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    out = varlen_attn(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scaling,
-                      window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])  # (-1, 0): causal
+    out = varlen_attn(
+        query,
+        key,
+        value,
+        cu_seqlens,
+        cu_seqlens,
+        longest,
+        longest,
+        scale=scaling,
+        window_size=(-1, 0),
+        enable_gqa=query.shape[1] != key.shape[1],
+    )  # (-1, 0): causal
     return out[None]
 
 
@@ -114,14 +129,24 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     if attention_mask is None and kwargs.get("sliding_window") is None and query.shape[2] == key.shape[2]:
         bounds = packed_sample_bounds(kwargs.get("position_ids"), query.shape[2])
     if bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if varlen_usable(query, key, dropout):
         return _varlen_attention(module, query, key, value, bounds, scaling), None
     kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
     outputs = [
-        sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
-                               dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+        sdpa_attention_forward(
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            **kwargs,
+        )[0]
         for start, end in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(outputs, dim=1), None
@@ -138,16 +163,18 @@ def causal_within_packed_samples(mask_function) -> bool:
     if getattr(mask_function, "__code__", None) is not _AND_MASK_CODE:
         return False
     parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
-    return (len(parts) == 2 and parts[0] is causal_mask_function
-            and getattr(parts[1], "__code__", None) is _PACKED_MASK_CODE)
+    return (
+        len(parts) == 2
+        and parts[0] is causal_mask_function
+        and getattr(parts[1], "__code__", None) is _PACKED_MASK_CODE
+    )
 
 
 def packed_sdpa_mask(*args, mask_function=causal_mask_function, attention_mask=None, local_size=None, **kwargs):
     """transformers' mask interface: no mask for a packed row (the attention splits it itself), else ``sdpa_mask``."""
     if attention_mask is None and local_size is None and causal_within_packed_samples(mask_function):
         return None
-    return sdpa_mask(*args, mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
-                     **kwargs)
+    return sdpa_mask(*args, mask_function=mask_function, attention_mask=attention_mask, local_size=local_size, **kwargs)
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)

@@ -78,8 +78,9 @@ def truncation_active(top_k: int | None, top_p: float | None, vocab: int) -> boo
 
 
 @torch.no_grad()
-def vllm_truncation_mask(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None,
-                         keep: torch.Tensor | None = None) -> torch.Tensor | None:
+def vllm_truncation_mask(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None, keep: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The tokens vLLM's ``apply_top_k_top_p`` drops, as a bool ``[T, V]`` mask (True: dropped), or None if none.
 
     Args:
@@ -123,8 +124,9 @@ def vllm_truncation_mask(logits: torch.Tensor, top_k: int | None = None, top_p: 
     return dropped
 
 
-def vllm_truncated_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None,
-                          keep: torch.Tensor | None = None) -> torch.Tensor:
+def vllm_truncated_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """``logits`` with -inf outside the set vLLM samples from (:func:`vllm_truncation_mask`), out of place.
 
     ``logits``: ``[T, V]`` tempered logits (pass fp32, ``fp32(raw) / T``, for vLLM's exact values); the result has
@@ -146,16 +148,26 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / torch.full((1, 1), temperature, dtype=torch.float32, device=logits.device)
 
 
-def truncated_log_softmax(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                          top_p: float | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+def truncated_log_softmax(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
     """vLLM's processed log-probs ``[T, V]`` (fp32) from raw ``[T, V]`` logits: fp32, ``/ temperature``, top-k,
     top-p, ``log_softmax`` (-inf outside the kept set). Differentiable w.r.t. ``logits``."""
     return torch.log_softmax(vllm_truncated_logits(_tempered(logits, temperature), top_k, top_p, keep), dim=-1)
 
 
-def truncated_selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                                    top_k: int | None = None, top_p: float | None = None,
-                                    chunk_size: int = 1024) -> torch.Tensor:
+def truncated_selective_log_softmax(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
     """``truncated_log_softmax(logits)[t, targets[t]]`` ``[T]`` (fp32), chunk by chunk of positions (like
     ``padding.selective_log_softmax``, which it equals when nothing is truncated), the targets always kept.
 
@@ -166,8 +178,9 @@ def truncated_selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor,
     out = []
     for start in range(0, logits.shape[0], chunk_size):
         block_targets = targets[start : start + chunk_size]
-        block = vllm_truncated_logits(_tempered(logits[start : start + chunk_size], temperature), top_k, top_p,
-                                      keep=block_targets)
+        block = vllm_truncated_logits(
+            _tempered(logits[start : start + chunk_size], temperature), top_k, top_p, keep=block_targets
+        )
         # log_softmax then gather, as vLLM computes and picks them (picked - logsumexp can differ in the last bit)
         out.append(torch.log_softmax(block, dim=-1).gather(-1, block_targets[:, None]).squeeze(-1))
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)

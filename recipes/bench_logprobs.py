@@ -27,9 +27,9 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # glibc reads it at sta
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
 
 import torch
+from bench_common import ALL_LINEAR, machine_info, rss_peak_during, with_random_lora
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from bench_common import ALL_LINEAR, machine_info, rss_peak_during, with_random_lora
 from grpo.config import load_config
 from grpo.memory_plan import GIB, memory_plan
 from grpo.parallel import apply_activation_checkpointing
@@ -47,8 +47,8 @@ def batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
     mask = torch.ones(rows, prompt + response, dtype=torch.long)
     mask[0, : prompt // 8] = 0
     response_mask = torch.ones(rows, response, dtype=torch.long)
-    response_mask[-1, -response // 8:] = 0
-    mask[-1, -response // 8:] = 0
+    response_mask[-1, -response // 8 :] = 0
+    mask[-1, -response // 8 :] = 0
     return ids, mask, response_mask
 
 
@@ -61,7 +61,7 @@ def forward_backward(model, inputs, chunk_size) -> None:
 def interleaved(measure, modes: dict, reps: int) -> dict:
     values = {name: [] for name in modes}
     for rep in range(reps):
-        for name in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
+        for name in list(modes) if rep % 2 == 0 else list(modes)[::-1]:
             values[name].append(measure(modes[name]))
     return values
 
@@ -84,15 +84,27 @@ def qwen_slice(args) -> dict:
     runs = interleaved(peak, modes, args.reps)
     result = {}
     for name, chunk_size in modes.items():
-        overrides = [f"per_device_train_batch_size={args.rows}", "steps_per_generation=1", f"num_generations={args.rows}",
-                     f"data.max_prompt_length={args.prompt}", f"max_completion_length={args.response}",
-                     "model.dtype=float32", "gradient_checkpointing=true", "lora.r=32",
-                     f"padding.logprob_chunk_size={'null' if chunk_size is None else chunk_size}"]
+        overrides = [
+            f"per_device_train_batch_size={args.rows}",
+            "steps_per_generation=1",
+            f"num_generations={args.rows}",
+            f"data.max_prompt_length={args.prompt}",
+            f"max_completion_length={args.response}",
+            "model.dtype=float32",
+            "gradient_checkpointing=true",
+            "lora.r=32",
+            f"padding.logprob_chunk_size={'null' if chunk_size is None else chunk_size}",
+        ]
         plan = memory_plan(config, load_config(None, overrides), world=1)["terms"]["activations"]
         measured = statistics.median(extra for extra, _ in runs[name])
-        result[name] = dict(chunk_size=chunk_size, peak_extra_mib=measured / MIB, plan_activations_mib=plan / MIB,
-                            plan_over_measured=plan / measured, median_s=statistics.median(s for _, s in runs[name]),
-                            raw=runs[name])
+        result[name] = dict(
+            chunk_size=chunk_size,
+            peak_extra_mib=measured / MIB,
+            plan_activations_mib=plan / MIB,
+            plan_over_measured=plan / measured,
+            median_s=statistics.median(s for _, s in runs[name]),
+            raw=runs[name],
+        )
     return result
 
 
@@ -126,13 +138,27 @@ def main() -> None:
     start = time.perf_counter()
     slice_result, tiny_result = qwen_slice(args), tiny_default(args)
     for name, r in slice_result.items():
-        print(f"Qwen3-4B slice, {name}: peak {r['peak_extra_mib']:.0f} MiB, plan {r['plan_activations_mib']:.0f} MiB "
-              f"(plan / measured {r['plan_over_measured']:.2f}), {r['median_s']:.2f} s")
+        print(
+            f"Qwen3-4B slice, {name}: peak {r['peak_extra_mib']:.0f} MiB, plan {r['plan_activations_mib']:.0f} MiB "
+            f"(plan / measured {r['plan_over_measured']:.2f}), {r['median_s']:.2f} s"
+        )
     print(f"embedded default's shape: chunks / full logits time {tiny_result['chunks_over_full']:.2f}")
-    out = dict(machine=machine_info(), command="python recipes/bench_logprobs.py " + " ".join(sys.argv[1:]),
-               settings=dict(rows=args.rows, prompt=args.prompt, response=args.response, reps=args.reps,
-                             tiny_reps=args.tiny_reps, malloc="MALLOC_MMAP_THRESHOLD_=65536", gib=GIB),
-               qwen3_4b_slice=slice_result, tiny_default=tiny_result, wall_s=time.perf_counter() - start)
+    out = dict(
+        machine=machine_info(),
+        command="python recipes/bench_logprobs.py " + " ".join(sys.argv[1:]),
+        settings=dict(
+            rows=args.rows,
+            prompt=args.prompt,
+            response=args.response,
+            reps=args.reps,
+            tiny_reps=args.tiny_reps,
+            malloc="MALLOC_MMAP_THRESHOLD_=65536",
+            gib=GIB,
+        ),
+        qwen3_4b_slice=slice_result,
+        tiny_default=tiny_result,
+        wall_s=time.perf_counter() - start,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
 

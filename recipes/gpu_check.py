@@ -42,8 +42,13 @@ from grpo.config import config_to_dict, load_config
 from grpo.loss import LossSettings, grpo_loss
 from grpo.loss_scaling import DynamicLossScale
 from grpo.memory_plan import GIB, memory_plan
-from grpo.parallel import (FSDPSettings, apply_activation_checkpointing, apply_fsdp, check_cuda_usable,
-                           nvidia_driver_versions)
+from grpo.parallel import (
+    FSDPSettings,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    check_cuda_usable,
+    nvidia_driver_versions,
+)
 from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
 from merge import decoder_layers, merged_lora_params
 from padding import packed_log_probs
@@ -51,10 +56,23 @@ from padding import packed_log_probs
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
 # --smoke: the same code on a shape that runs in seconds on a CPU
-SMOKE_OVERRIDES = ["per_device_train_batch_size=4", "data.max_prompt_length=12", "max_completion_length=20",
-                   "lora.r=8", "lora.lora_alpha=16", "padding.logprob_chunk_size=16"]
-SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=512)
+SMOKE_OVERRIDES = [
+    "per_device_train_batch_size=4",
+    "data.max_prompt_length=12",
+    "max_completion_length=20",
+    "lora.r=8",
+    "lora.lora_alpha=16",
+    "padding.logprob_chunk_size=16",
+]
+SMOKE_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+)
 
 
 def sync(device: torch.device) -> None:
@@ -80,20 +98,29 @@ def environment(device: torch.device) -> dict:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    info = dict(device=str(device), packages=versions, torch_cuda=torch.version.cuda,
-                nvidia_drivers=nvidia_driver_versions())
+    info = dict(
+        device=str(device), packages=versions, torch_cuda=torch.version.cuda, nvidia_drivers=nvidia_driver_versions()
+    )
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 2),
-                    capability=list(torch.cuda.get_device_capability(device)))
+        info.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / GIB, 2),
+            capability=list(torch.cuda.get_device_capability(device)),
+        )
     return info
 
 
 def join_group_of_one(device: torch.device, store_dir: str) -> None:
     """A process group of one (NCCL on the GPU, gloo on the CPU): FSDP2 then runs its collectives as on 8 GPUs."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store_dir}/store",
+        rank=0,
+        world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def build_policy(cfg, model_config, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -131,13 +158,20 @@ def mini_batch(cfg, vocab: int, device: torch.device, full_length: bool, seed: i
         response_mask[i, :r] = 1
     ids = ids * attention_mask
     advantages = torch.randn(size, generator=generator)
-    return {k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=attention_mask,
-                                             response_mask=response_mask, advantages=advantages).items()}
+    return {
+        k: v.to(device)
+        for k, v in dict(
+            input_ids=ids, attention_mask=attention_mask, response_mask=response_mask, advantages=advantages
+        ).items()
+    }
 
 
 def lora_grads(model) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().clone()
-            for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 class Trainer:
@@ -151,30 +185,45 @@ class Trainer:
         self.options = dict(temperature=cfg.temperature, chunk_size=cfg.padding.logprob_chunk_size)
         with torch.no_grad():
             model.eval()
-            self.old = packed_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                        **self.options)
+            self.old = packed_log_probs(
+                model, batch["input_ids"], batch["attention_mask"], batch["response_mask"], **self.options
+            )
         model.train()
 
     def step(self) -> dict:
         b = self.batch
         logps = packed_log_probs(self.model, b["input_ids"], b["attention_mask"], b["response_mask"], **self.options)
-        loss, _ = grpo_loss(logps, self.old, b["advantages"], b["response_mask"], self.settings,
-                            num_items_in_batch=b["response_mask"].sum())
+        loss, _ = grpo_loss(
+            logps,
+            self.old,
+            b["advantages"],
+            b["response_mask"],
+            self.settings,
+            num_items_in_batch=b["response_mask"].sum(),
+        )
         self.loss_scale.scaled(loss).backward()
         finite = self.loss_scale.unscale_(self.trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm) if finite else None
         self.loss_scale.step(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
-        return dict(loss=loss.item(), finite=finite, grad_norm=None if grad_norm is None else grad_norm.item(),
-                    loss_scale=self.loss_scale.scale)
+        return dict(
+            loss=loss.item(),
+            finite=finite,
+            grad_norm=None if grad_norm is None else grad_norm.item(),
+            loss_scale=self.loss_scale.scale,
+        )
 
 
 def check_update(cfg, overrides: list[str], model_config, model, device: torch.device) -> dict:
     """Two optimizer steps on a full-length mini-batch: seconds per step, the peak memory against the plan."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer = Trainer(cfg, model, mini_batch(cfg, model_config.vocab_size, device, full_length=True, seed=1),
-                      DynamicLossScale(enabled=False))
+    trainer = Trainer(
+        cfg,
+        model,
+        mini_batch(cfg, model_config.vocab_size, device, full_length=True, seed=1),
+        DynamicLossScale(enabled=False),
+    )
     sync(device)
     start = time.perf_counter()
     steps = [trainer.step() for _ in range(2)]
@@ -184,13 +233,20 @@ def check_update(cfg, overrides: list[str], model_config, model, device: torch.d
     # the plan for this run: sharded by FSDP2 as on several GPUs, no vLLM (asleep, without CUDA graphs)
     no_engine = load_config(CONFIG, [*overrides, "vllm.enable_sleep_mode=true", "vllm.enforce_eager=true"])
     plan = memory_plan(model_config, no_engine, world=1, checkpointing=True, compute_dtype="bfloat16", sharded=True)
-    out = dict(seconds_per_step=seconds, steps=steps, plan_update_gib=plan["phases"]["update"] / GIB,
-               plan_terms_gib={k: v / GIB for k, v in plan["terms"].items()}, tokens=cfg.per_device_train_batch_size
-               * (cfg.data.max_prompt_length + cfg.max_completion_length))
+    out = dict(
+        seconds_per_step=seconds,
+        steps=steps,
+        plan_update_gib=plan["phases"]["update"] / GIB,
+        plan_terms_gib={k: v / GIB for k, v in plan["terms"].items()},
+        tokens=cfg.per_device_train_batch_size * (cfg.data.max_prompt_length + cfg.max_completion_length),
+    )
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        out.update(peak_allocated_gib=peak / GIB, peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB,
-                   peak_over_plan=peak / plan["phases"]["update"])
+        out.update(
+            peak_allocated_gib=peak / GIB,
+            peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB,
+            peak_over_plan=peak / plan["phases"]["update"],
+        )
     return out
 
 
@@ -203,8 +259,9 @@ def plain_walk(model):
         yield from ((n, p.detach().clone()) for n, p in layer.named_parameters() if "lora_" not in n)
         layer.reshard()
     model.unshard()  # the root group: embedding (tied lm_head), final norm
-    yield from ((n, p.detach().clone()) for n, p in model.named_parameters()
-                if id(p) not in layer_params and "lora_" not in n)
+    yield from (
+        (n, p.detach().clone()) for n, p in model.named_parameters() if id(p) not in layer_params and "lora_" not in n
+    )
     model.reshard()
 
 
@@ -219,8 +276,13 @@ def consume(weights) -> int:
 def check_sync(model, dtype: torch.dtype, device: torch.device) -> dict:
     merged_s, merged_bytes = timed(lambda: consume(merged_lora_params(model, dtype=dtype)), device)
     plain_s, plain_bytes = timed(lambda: consume(plain_walk(model)), device)
-    return dict(merged_lora_params_s=merged_s, plain_walk_s=plain_s, merged_over_plain=merged_s / plain_s,
-                merged_gib=merged_bytes / GIB, plain_gib=plain_bytes / GIB)
+    return dict(
+        merged_lora_params_s=merged_s,
+        plain_walk_s=plain_s,
+        merged_over_plain=merged_s / plain_s,
+        merged_gib=merged_bytes / GIB,
+        plain_gib=plain_bytes / GIB,
+    )
 
 
 def check_attention(cfg, model_config, model, device: torch.device) -> dict:
@@ -233,8 +295,13 @@ def check_attention(cfg, model_config, model, device: torch.device) -> dict:
 
     def forward_backward():
         model.zero_grad(set_to_none=True)
-        logps = packed_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                 chunk_size=cfg.padding.logprob_chunk_size)
+        logps = packed_log_probs(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["response_mask"],
+            chunk_size=cfg.padding.logprob_chunk_size,
+        )
         (-(logps * batch["response_mask"]).sum() / batch["response_mask"].sum()).backward()
         return logps.detach().float()
 
@@ -253,41 +320,67 @@ def check_attention(cfg, model_config, model, device: torch.device) -> dict:
     lengths = (batch["attention_mask"].sum(dim=1)).tolist()
     out = dict(samples=len(lengths), packed_tokens=int(sum(lengths)), longest=int(max(lengths)))
     for mode, result in results.items():
-        out[mode] = dict(seconds=result["seconds"], speedup_over_per_sample=reference["seconds"] / result["seconds"],
-                         max_abs_delta_logps=(result["logps"] - reference["logps"]).abs().max().item(),
-                         max_abs_delta_lora_grad=max((g - reference["grads"][n]).abs().max().item()
-                                                     for n, g in result["grads"].items()),
-                         max_abs_lora_grad=max(g.abs().max().item() for g in result["grads"].values()))
+        out[mode] = dict(
+            seconds=result["seconds"],
+            speedup_over_per_sample=reference["seconds"] / result["seconds"],
+            max_abs_delta_logps=(result["logps"] - reference["logps"]).abs().max().item(),
+            max_abs_delta_lora_grad=max(
+                (g - reference["grads"][n]).abs().max().item() for n, g in result["grads"].items()
+            ),
+            max_abs_lora_grad=max(g.abs().max().item() for g in result["grads"].values()),
+        )
     return out
 
 
 def check_fp16(cfg, model_config, device: torch.device, steps: int) -> dict:
     """``steps`` optimizer steps in fp16 with dynamic loss scaling, as the recipe with model.dtype=float16."""
     model = build_policy(cfg, model_config, torch.float16, device, seed=3)
-    trainer = Trainer(cfg, model, mini_batch(cfg, model_config.vocab_size, device, full_length=False, seed=3),
-                      DynamicLossScale(enabled=True))
+    trainer = Trainer(
+        cfg,
+        model,
+        mini_batch(cfg, model_config.vocab_size, device, full_length=False, seed=3),
+        DynamicLossScale(enabled=True),
+    )
     records = [trainer.step() for _ in range(steps)]
-    return dict(steps=records, skipped_steps=trainer.loss_scale.skipped_steps,
-                all_losses_finite=all(torch.isfinite(torch.tensor(r["loss"])) for r in records))
+    return dict(
+        steps=records,
+        skipped_steps=trainer.loss_scale.skipped_steps,
+        all_losses_finite=all(torch.isfinite(torch.tensor(r["loss"])) for r in records),
+    )
 
 
 def table(report: dict) -> str:
     u, s, a, f = report["update"], report["sync"], report["attention"], report["fp16"]
-    rows = [("update: seconds per optimizer step", f"{u['seconds_per_step']:.2f} ({u['tokens']} tokens)"),
-            ("update: peak allocated / plan", (f"{u['peak_allocated_gib']:.2f}" if "peak_allocated_gib" in u
-                                              else "n/a (CPU)") + f" / {u['plan_update_gib']:.2f} GiB"),
-            ("sync: merged_lora_params / plain walk", f"{s['merged_lora_params_s']:.3f} / {s['plain_walk_s']:.3f} s "
-                                                      f"(x{s['merged_over_plain']:.2f})")]
+    rows = [
+        ("update: seconds per optimizer step", f"{u['seconds_per_step']:.2f} ({u['tokens']} tokens)"),
+        (
+            "update: peak allocated / plan",
+            (f"{u['peak_allocated_gib']:.2f}" if "peak_allocated_gib" in u else "n/a (CPU)")
+            + f" / {u['plan_update_gib']:.2f} GiB",
+        ),
+        (
+            "sync: merged_lora_params / plain walk",
+            f"{s['merged_lora_params_s']:.3f} / {s['plain_walk_s']:.3f} s (x{s['merged_over_plain']:.2f})",
+        ),
+    ]
     for mode in ("per_sample", "varlen", "sdpa_mask"):
         if mode in a:
             m = a[mode]
-            rows.append((f"attention {mode}: fwd+bwd s, max|d| logp, grad",
-                         f"{m['seconds']:.3f} s (x{m['speedup_over_per_sample']:.2f}), {m['max_abs_delta_logps']:.2e}, "
-                         f"{m['max_abs_delta_lora_grad']:.2e}"))
+            rows.append(
+                (
+                    f"attention {mode}: fwd+bwd s, max|d| logp, grad",
+                    f"{m['seconds']:.3f} s (x{m['speedup_over_per_sample']:.2f}), {m['max_abs_delta_logps']:.2e}, "
+                    f"{m['max_abs_delta_lora_grad']:.2e}",
+                )
+            )
         else:
             rows.append((f"attention {mode}", "not run (CUDA only)"))
-    rows.append(("fp16: losses finite, skipped, last scale",
-                 f"{f['all_losses_finite']}, {f['skipped_steps']}, {f['steps'][-1]['loss_scale']:g}"))
+    rows.append(
+        (
+            "fp16: losses finite, skipped, last scale",
+            f"{f['all_losses_finite']}, {f['skipped_steps']}, {f['steps'][-1]['loss_scale']:g}",
+        )
+    )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -310,9 +403,13 @@ def main(argv=None) -> dict:
         torch.cuda.set_device(device)
         model_config = qwen3_4b_config()
     cfg = load_config(CONFIG, overrides)
-    report = dict(command=" ".join(["python", "recipes/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
-                  environment=environment(device), config=str(CONFIG.relative_to(ROOT)), overrides=overrides,
-                  vllm_imported=sys.modules.get("vllm") is not None)
+    report = dict(
+        command=" ".join(["python", "recipes/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+        environment=environment(device),
+        config=str(CONFIG.relative_to(ROOT)),
+        overrides=overrides,
+        vllm_imported=sys.modules.get("vllm") is not None,
+    )
     with tempfile.TemporaryDirectory() as store_dir:
         join_group_of_one(device, store_dir)
         try:

@@ -61,8 +61,8 @@ if __name__ == "__main__":
 
 # the slow imports (torch, transformers, vLLM through grpo.run) come after the config check
 import logging
-import signal
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -119,12 +119,20 @@ def rollout(run: Run, rollout_step: int):
     t0 = time.perf_counter()
     start = ((rollout_step - 1) * run.world + run.rank) * ppr
     rows = [run.problems[(start + i) % len(run.problems)] for i in range(ppr)]
-    sampling = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_completion_length,
-                              logprobs=0)  # no per-request seed: each rank's engine has its own stream
+    sampling = SamplingParams(
+        n=cfg.num_generations,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k if cfg.top_k > 0 else -1,
+        max_tokens=cfg.max_completion_length,
+        logprobs=0,
+    )  # no per-request seed: each rank's engine has its own stream
     samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling, use_tqdm=run.rank == 0)
-    return rows, samples, dict(rollout_s=time.perf_counter() - t0,
-                               rollout_tokens=sum(len(s.completion_ids) for s in samples))
+    return (
+        rows,
+        samples,
+        dict(rollout_s=time.perf_counter() - t0, rollout_tokens=sum(len(s.completion_ids) for s in samples)),
+    )
 
 
 def rewards_and_advantages(run: Run, rows, samples, rollout_step: int):
@@ -164,8 +172,11 @@ def old_log_probs(run: Run, batch: dict, rollout_step: int) -> None:
                 with model.disable_adapter():
                     ref[rows, :width] = packed_log_probs(model, *args, **run.logprob_options)
     # an fp16 overflow in the forward shows here first (inf/NaN log-probs), before it reaches a ratio
-    stop_if_nonfinite(f"rollout step {rollout_step}, old log-probs forward ({cfg.model.dtype})",
-                      dict(old_logprobs=old, ref_logprobs=ref), run.last_checkpoint)
+    stop_if_nonfinite(
+        f"rollout step {rollout_step}, old log-probs forward ({cfg.model.dtype})",
+        dict(old_logprobs=old, ref_logprobs=ref),
+        run.last_checkpoint,
+    )
     batch["old_logprobs"], batch["ref_logprobs"] = old, ref
 
 
@@ -175,8 +186,13 @@ def importance_sampling(run: Run, batch: dict) -> dict:
     if not run.loss_settings.vllm_importance_sampling_correction:
         return {}
     ratio, stats = vllm_importance_sampling_ratio(
-        batch["old_logprobs"], batch["vllm_logprobs"], batch["response_mask"], cfg.vllm_importance_sampling_mode,
-        cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
+        batch["old_logprobs"],
+        batch["vllm_logprobs"],
+        batch["response_mask"],
+        cfg.vllm_importance_sampling_mode,
+        cfg.vllm_importance_sampling_clip_min,
+        cfg.vllm_importance_sampling_clip_max,
+    )
     batch["importance_sampling_ratio"] = ratio
     return {k: v for k, v in stats.items() if k.startswith("vllm_ratio")}
 
@@ -187,16 +203,25 @@ def mini_batch_loss(run: Run, sub: dict, num_items_in_batch: float):
     entropy_mask, args = None, (sub["input_ids"], sub["attention_mask"], sub["response_mask"], cfg.temperature)
     with run.autocast():
         if settings.top_entropy_quantile < 1.0:
-            logps, entropies = packed_log_probs(run.model, *args, cfg.padding.legacy_slice, return_entropy=True,
-                                                **run.logprob_options)
-            entropy_mask = high_entropy_mask(entropies, sub["response_mask"], settings.top_entropy_quantile,
-                                             gather=gather_across_ranks)
+            logps, entropies = packed_log_probs(
+                run.model, *args, cfg.padding.legacy_slice, return_entropy=True, **run.logprob_options
+            )
+            entropy_mask = high_entropy_mask(
+                entropies, sub["response_mask"], settings.top_entropy_quantile, gather=gather_across_ranks
+            )
         else:
             logps = packed_log_probs(run.model, *args, legacy_slice=cfg.padding.legacy_slice, **run.logprob_options)
-    return grpo_loss(logps, sub["old_logprobs"], sub["advantages"], sub["response_mask"], settings,
-                     ref_per_token_logps=sub["ref_logprobs"] if settings.beta != 0.0 else None,
-                     importance_sampling_ratio=sub.get("importance_sampling_ratio"), entropy_mask=entropy_mask,
-                     num_items_in_batch=num_items_in_batch if settings.loss_type in ("dapo", "cispo") else None)
+    return grpo_loss(
+        logps,
+        sub["old_logprobs"],
+        sub["advantages"],
+        sub["response_mask"],
+        settings,
+        ref_per_token_logps=sub["ref_logprobs"] if settings.beta != 0.0 else None,
+        importance_sampling_ratio=sub.get("importance_sampling_ratio"),
+        entropy_mask=entropy_mask,
+        num_items_in_batch=num_items_in_batch if settings.loss_type in ("dapo", "cispo") else None,
+    )
 
 
 def update(run: Run, batch: dict, rollout_step: int) -> dict:
@@ -219,16 +244,27 @@ def update(run: Run, batch: dict, rollout_step: int) -> dict:
             run.loss_scale.scaled(loss).backward()
             finite = run.loss_scale.unscale_(trainable)  # fp16: an overflowing gradient skips the step
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm) if finite else torch.zeros(())
-            stop_if_nonfinite(f"rollout step {rollout_step}, iteration {iteration + 1}, mini-batch {k + 1}",
-                              dict(loss=loss, ratio=stats["ratio_sum"], grad_norm=grad_norm), run.last_checkpoint)
+            stop_if_nonfinite(
+                f"rollout step {rollout_step}, iteration {iteration + 1}, mini-batch {k + 1}",
+                dict(loss=loss, ratio=stats["ratio_sum"], grad_norm=grad_norm),
+                run.last_checkpoint,
+            )
             run.loss_scale.step(run.optimizer, finite)
             run.scheduler.step()  # a skipped step still counts as an optimizer step (global_step), as in TRL
             run.optimizer.zero_grad(set_to_none=True)
-            stats = {**stats, **run.loss_scale.stats(), "loss_sum": loss.detach().double(),
-                     "mini_batches": torch.tensor(1.0, dtype=torch.float64)}
+            stats = {
+                **stats,
+                **run.loss_scale.stats(),
+                "loss_sum": loss.detach().double(),
+                "mini_batches": torch.tensor(1.0, dtype=torch.float64),
+            }
             if iteration == 0 and k == 0:
-                stats.update(onpolicy_ratio_sum=stats["ratio_sum"], onpolicy_ratio_count=stats["ratio_count"],
-                             onpolicy_ratio_min=stats["ratio_min"], onpolicy_ratio_max=stats["ratio_max"])
+                stats.update(
+                    onpolicy_ratio_sum=stats["ratio_sum"],
+                    onpolicy_ratio_count=stats["ratio_count"],
+                    onpolicy_ratio_min=stats["ratio_min"],
+                    onpolicy_ratio_max=stats["ratio_max"],
+                )
             totals = accumulate_stats(totals, stats)
             bar.update(1)
     bar.close()
@@ -238,17 +274,32 @@ def update(run: Run, batch: dict, rollout_step: int) -> dict:
 def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, update_stats: dict, t_step: float) -> dict:
     """6. Reduce this rollout step's statistics across ranks by name, append them to metrics.jsonl (rank 0)."""
     total = reduce_statistics(rewards, batch, phases, update_stats, run.device)
-    metrics = step_metrics(total, rollout_step=rollout_step, global_step=run.global_step(rollout_step),
-                           merge=run.cfg.lora.merge, legacy_slice=run.cfg.padding.legacy_slice,
-                           lr=run.scheduler.get_last_lr()[0])
+    metrics = step_metrics(
+        total,
+        rollout_step=rollout_step,
+        global_step=run.global_step(rollout_step),
+        merge=run.cfg.lora.merge,
+        legacy_slice=run.cfg.padding.legacy_slice,
+        lr=run.scheduler.get_last_lr()[0],
+    )
     metrics["step_s"] = time.perf_counter() - t_step
     write_metrics(metrics, run.run_dir, run.trackers, run.rank)
     if run.rank == 0:
-        log.info("rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
-                 "|vllm-trainer| %.2e tok/s %.0f sync %.2fs", rollout_step, run.num_rollout_steps,
-                 metrics["global_step"], metrics["reward_mean"], metrics["ratio_mean"], metrics["ratio_min"],
-                 metrics["ratio_max"], metrics["ratio_onpolicy_maxdev"], metrics["rollout_logprob_diff_mean"],
-                 metrics["rollout_tokens_per_s"], metrics["sync_s"])
+        log.info(
+            "rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
+            "|vllm-trainer| %.2e tok/s %.0f sync %.2fs",
+            rollout_step,
+            run.num_rollout_steps,
+            metrics["global_step"],
+            metrics["reward_mean"],
+            metrics["ratio_mean"],
+            metrics["ratio_min"],
+            metrics["ratio_max"],
+            metrics["ratio_onpolicy_maxdev"],
+            metrics["rollout_logprob_diff_mean"],
+            metrics["rollout_tokens_per_s"],
+            metrics["sync_s"],
+        )
     return metrics
 
 
@@ -261,9 +312,15 @@ def evaluate(run: Run, rollout_steps_done: int) -> dict:
 
     cfg = run.cfg
     rows = run.eval_problems[run.rank :: run.world]
-    modes = {"greedy": SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length),
-             "sampled": SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                       top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_completion_length)}
+    modes = {
+        "greedy": SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length),
+        "sampled": SamplingParams(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k if cfg.top_k > 0 else -1,
+            max_tokens=cfg.max_completion_length,
+        ),
+    }
     sums = {"problems": len(rows)}
     for mode, sampling in modes.items():
         samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling) if rows else []
@@ -272,14 +329,23 @@ def evaluate(run: Run, rollout_steps_done: int) -> dict:
         sums[f"{mode}_tokens"] = sum(len(s.completion_ids) for s in samples)
     total = reduce_across_ranks(sums=sums)
     n = max(1.0, total["problems"])
-    metrics = dict(rollout_step=rollout_steps_done, global_step=run.global_step(rollout_steps_done),
-                   eval_problems=int(total["problems"]), eval_reward_greedy=total["greedy_reward_sum"] / n,
-                   eval_reward_sampled=total["sampled_reward_sum"] / n,
-                   eval_completion_tokens_greedy=total["greedy_tokens"] / n)
+    metrics = dict(
+        rollout_step=rollout_steps_done,
+        global_step=run.global_step(rollout_steps_done),
+        eval_problems=int(total["problems"]),
+        eval_reward_greedy=total["greedy_reward_sum"] / n,
+        eval_reward_sampled=total["sampled_reward_sum"] / n,
+        eval_completion_tokens_greedy=total["greedy_tokens"] / n,
+    )
     write_metrics(metrics, run.run_dir, run.trackers, run.rank)
-    log.info("eval after rollout step %d (optimizer step %d): held-out reward greedy %.3f, sampled %.3f (%d problems)",
-             rollout_steps_done, metrics["global_step"], metrics["eval_reward_greedy"], metrics["eval_reward_sampled"],
-             metrics["eval_problems"])
+    log.info(
+        "eval after rollout step %d (optimizer step %d): held-out reward greedy %.3f, sampled %.3f (%d problems)",
+        rollout_steps_done,
+        metrics["global_step"],
+        metrics["eval_reward_greedy"],
+        metrics["eval_reward_sampled"],
+        metrics["eval_problems"],
+    )
     return metrics
 
 
@@ -295,12 +361,25 @@ def save(run: Run, rollout_step: int) -> Path:
     global_step = run.global_step(rollout_step)
     if run.last_checkpoint == checkpoint_path(run.run_dir, global_step):
         return run.last_checkpoint
-    state = dict(rollout_step=rollout_step, global_step=global_step,
-                 data_position=rollout_step * run.world * run.cfg.prompts_per_rank, world_size=run.world,
-                 seed=run.cfg.seed, logprob_diff_baseline=run.guard.baseline,
-                 loss_scale=run.loss_scale.state_dict())
-    run.last_checkpoint = save_checkpoint(run.run_dir, run.model, run.optimizer, run.scheduler, state,
-                                          config_to_dict(run.cfg), run.rank, run.cfg.save_total_limit)
+    state = dict(
+        rollout_step=rollout_step,
+        global_step=global_step,
+        data_position=rollout_step * run.world * run.cfg.prompts_per_rank,
+        world_size=run.world,
+        seed=run.cfg.seed,
+        logprob_diff_baseline=run.guard.baseline,
+        loss_scale=run.loss_scale.state_dict(),
+    )
+    run.last_checkpoint = save_checkpoint(
+        run.run_dir,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        state,
+        config_to_dict(run.cfg),
+        run.rank,
+        run.cfg.save_total_limit,
+    )
     return run.last_checkpoint
 
 
@@ -309,9 +388,15 @@ def finish(run: Run, rollout_step: int, signum: int) -> None:
     if run.rank == 0:
         shutil.rmtree(run.run_dir / "_rollout_adapter", ignore_errors=True)
     if signum:
-        log.error("stopped by %s after rollout step %d of %d; checkpoint: %s. To continue, run the same command with "
-                  "resume_from_checkpoint=%s", signal.Signals(signum).name, rollout_step, run.num_rollout_steps,
-                  run.last_checkpoint, run.last_checkpoint)
+        log.error(
+            "stopped by %s after rollout step %d of %d; checkpoint: %s. To continue, run the same command with "
+            "resume_from_checkpoint=%s",
+            signal.Signals(signum).name,
+            rollout_step,
+            run.num_rollout_steps,
+            run.last_checkpoint,
+            run.last_checkpoint,
+        )
     else:
         save_adapter(run.model, run.run_dir / "adapter", run.rank)
         log.info("done: adapter in %s, metrics in %s", run.run_dir / "adapter", run.run_dir / "metrics.jsonl")

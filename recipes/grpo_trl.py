@@ -49,16 +49,26 @@ from grpo.tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problem
 class TinyGsm8kArguments:
     """The recipe's own settings (the rest are TRL's ``GRPOConfig`` and ``ModelConfig``)."""
 
-    build_tiny: str | None = field(default="tiny", metadata={
-        "help": "build the embedded model of this size (tiny_gsm8k.SIZES) at model_name_or_path first unless "
-                "cached; null (or none) to use model_name_or_path as it is"})
+    build_tiny: str | None = field(
+        default="tiny",
+        metadata={
+            "help": "build the embedded model of this size (tiny_gsm8k.SIZES) at model_name_or_path first unless "
+            "cached; null (or none) to use model_name_or_path as it is"
+        },
+    )
     build_seed: int = field(default=0, metadata={"help": "seed of the embedded model's build"})
     num_generated: int = field(default=4096, metadata={"help": "generated GSM8K-style problems to train on"})
-    reward_funcs: list[str] = field(default_factory=lambda: ["grpo.rewards:gsm8k_exact_answer_reward"], metadata={
-        "help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"})
-    sync: str = field(default="merged_lora_params", metadata={
-        "help": "merged_lora_params (merge.trl) or trl (TRL's own merge/unmerge sync)", "choices": [
-            "merged_lora_params", "trl"]})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["grpo.rewards:gsm8k_exact_answer_reward"],
+        metadata={"help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"},
+    )
+    sync: str = field(
+        default="merged_lora_params",
+        metadata={
+            "help": "merged_lora_params (merge.trl) or trl (TRL's own merge/unmerge sync)",
+            "choices": ["merged_lora_params", "trl"],
+        },
+    )
     vllm_kv_cache_gb: float = field(default=0.25, metadata={"help": "KV cache of each colocated engine, GiB"})
     vllm_enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs / torch.compile in vLLM"})
     vllm_enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM prefix caching"})
@@ -108,8 +118,16 @@ class RolloutMetrics(TrainerCallback):
     ``trainer`` ("trl") and ``sync`` (which sync ran), so plots can tell the runs apart.
     """
 
-    def __init__(self, metrics_file: Path, optimizer_steps_per_rollout: int, completions_per_rollout: int,
-                 sync_timer: CallTimer, rollout_timer: CallTimer, sync: str, write: bool):
+    def __init__(
+        self,
+        metrics_file: Path,
+        optimizer_steps_per_rollout: int,
+        completions_per_rollout: int,
+        sync_timer: CallTimer,
+        rollout_timer: CallTimer,
+        sync: str,
+        write: bool,
+    ):
         self.metrics_file = metrics_file
         self.steps_per_rollout = optimizer_steps_per_rollout
         self.completions_per_rollout = completions_per_rollout
@@ -146,23 +164,42 @@ class RolloutMetrics(TrainerCallback):
 
     def summarize(self, global_step: int) -> dict:
         step_s = time.perf_counter() - self.window_start
-        memory = (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
-                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux
-        slowest = reduce_across_ranks(maxs=dict(rollout_s=sum(self.rollout_timer.seconds), step_s=step_s,
-                                                sync_s=sum(self.sync_timer.seconds), peak_mem_gb=memory))
+        memory = (
+            torch.cuda.max_memory_allocated() / 2**30
+            if torch.cuda.is_available()
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        )  # KiB on Linux
+        slowest = reduce_across_ranks(
+            maxs=dict(
+                rollout_s=sum(self.rollout_timer.seconds),
+                step_s=step_s,
+                sync_s=sum(self.sync_timer.seconds),
+                peak_mem_gb=memory,
+            )
+        )
         rollout_s, sync_s, step_s, peak_mem_gb = (slowest[k] for k in ("rollout_s", "sync_s", "step_s", "peak_mem_gb"))
         mean_length = self.first("completions/mean_length")
         rollout_tokens = round(mean_length * self.completions_per_rollout) if mean_length is not None else None
         return dict(
-            rollout_step=math.ceil(global_step / self.steps_per_rollout), global_step=global_step, merge=True,
-            trainer="trl", sync=self.sync, reward_mean=self.first("reward"), reward_std=self.first("reward_std"),
+            rollout_step=math.ceil(global_step / self.steps_per_rollout),
+            global_step=global_step,
+            merge=True,
+            trainer="trl",
+            sync=self.sync,
+            reward_mean=self.first("reward"),
+            reward_std=self.first("reward_std"),
             clip_frac=self.mean("clip_ratio/region_mean"),
             rollout_logprob_diff_mean=self.first("sampling/sampling_logp_difference/mean"),
             rollout_logprob_diff_max=self.first("sampling/sampling_logp_difference/max"),
-            rollout_tokens=rollout_tokens, rollout_s=rollout_s,
+            rollout_tokens=rollout_tokens,
+            rollout_s=rollout_s,
             rollout_tokens_per_s=rollout_tokens / rollout_s if rollout_tokens is not None and rollout_s else None,
-            sync_s=sync_s, update_s=step_s - sync_s - rollout_s, step_s=step_s, peak_mem_gb=peak_mem_gb,
-            loss=self.mean("loss"), lr=self.window[-1].get("learning_rate"),
+            sync_s=sync_s,
+            update_s=step_s - sync_s - rollout_s,
+            step_s=step_s,
+            peak_mem_gb=peak_mem_gb,
+            loss=self.mean("loss"),
+            lr=self.window[-1].get("learning_rate"),
         )
 
 
@@ -170,8 +207,9 @@ def problems_dataset(num_problems: int, seed: int):
     """Generated problems as TRL wants them: a ``prompt`` column (plain text), ``answer`` for the reward."""
     from datasets import Dataset
 
-    return Dataset.from_list([dict(prompt=format_prompt(p["question"]), answer=p["answer"])
-                              for p in make_problems(num_problems, seed=seed)])
+    return Dataset.from_list(
+        [dict(prompt=format_prompt(p["question"]), answer=p["answer"]) for p in make_problems(num_problems, seed=seed)]
+    )
 
 
 def refuse_unjoined_processes(trainer) -> None:
@@ -181,7 +219,8 @@ def refuse_unjoined_processes(trainer) -> None:
         raise RuntimeError(
             f"{launched} processes were launched but the trainer sees {trainer.accelerator.num_processes} "
             f"(accelerate distributed_type={trainer.accelerator.distributed_type}): each would train alone on the "
-            "same data. On CPU set use_cpu: true (DDP on gloo); accelerate's FSDP path does not run there")
+            "same data. On CPU set use_cpu: true (DDP on gloo); accelerate's FSDP path does not run there"
+        )
 
 
 def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
@@ -191,16 +230,23 @@ def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
     from merge.trl import vllm_engine_kwargs
 
     training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype}
-    engine = dict(kv_cache_memory_bytes=int(script_args.vllm_kv_cache_gb * 2**30),
-                  enforce_eager=script_args.vllm_enforce_eager,
-                  enable_prefix_caching=script_args.vllm_enable_prefix_caching)
+    engine = dict(
+        kv_cache_memory_bytes=int(script_args.vllm_kv_cache_gb * 2**30),
+        enforce_eager=script_args.vllm_enforce_eager,
+        enable_prefix_caching=script_args.vllm_enable_prefix_caching,
+    )
     if model_args.dtype not in (None, "auto"):
         engine["dtype"] = model_args.dtype  # vLLM's "auto" would serve an fp32 checkpoint in bf16
     dataset = problems_dataset(script_args.num_generated, training_args.seed)
     rewards = load_reward_funcs(script_args.reward_funcs)
     with vllm_engine_kwargs(**engine):
-        return GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=rewards, args=training_args,
-                           train_dataset=dataset, peft_config=get_peft_config(model_args))
+        return GRPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=rewards,
+            args=training_args,
+            train_dataset=dataset,
+            peft_config=get_peft_config(model_args),
+        )
 
 
 def setup(argv: list[str] | None = None):
@@ -209,17 +255,22 @@ def setup(argv: list[str] | None = None):
 
     from merge.trl import use_merged_lora_sync
 
-    script_args, training_args, model_args = TrlParser((TinyGsm8kArguments, GRPOConfig, ModelConfig)) \
-        .parse_args_and_config(argv)
+    script_args, training_args, model_args = TrlParser(
+        (TinyGsm8kArguments, GRPOConfig, ModelConfig)
+    ).parse_args_and_config(argv)
     if not training_args.use_vllm:
         raise ValueError("use_vllm: true is required: the recipe measures the vLLM rollouts and their weight sync")
     if training_args.logging_steps != 1:
-        raise ValueError(f"logging_steps={training_args.logging_steps}: the metrics need one TRL log per optimizer "
-                         "step (logging_steps: 1)")
+        raise ValueError(
+            f"logging_steps={training_args.logging_steps}: the metrics need one TRL log per optimizer "
+            "step (logging_steps: 1)"
+        )
     updates = training_args.steps_per_generation * training_args.num_iterations
     if updates % training_args.gradient_accumulation_steps:
-        raise ValueError(f"steps_per_generation x num_iterations = {updates} must be a multiple of "
-                         f"gradient_accumulation_steps={training_args.gradient_accumulation_steps}")
+        raise ValueError(
+            f"steps_per_generation x num_iterations = {updates} must be a multiple of "
+            f"gradient_accumulation_steps={training_args.gradient_accumulation_steps}"
+        )
     run_dir = Path(training_args.output_dir) / training_args.run_name
     training_args.output_dir = str(run_dir)  # TRL's own files (checkpoints, if asked for) go into the run folder
 
@@ -239,9 +290,17 @@ def setup(argv: list[str] | None = None):
         (run_dir / "metrics.jsonl").write_text("")
         resolved = dict(script=asdict(script_args), model=asdict(model_args), training=training_args.to_dict())
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    trainer.add_callback(RolloutMetrics(
-        run_dir / "metrics.jsonl", updates // training_args.gradient_accumulation_steps,
-        training_args.generation_batch_size, sync_timer, rollout_timer, script_args.sync, write=main_process))
+    trainer.add_callback(
+        RolloutMetrics(
+            run_dir / "metrics.jsonl",
+            updates // training_args.gradient_accumulation_steps,
+            training_args.generation_batch_size,
+            sync_timer,
+            rollout_timer,
+            script_args.sync,
+            write=main_process,
+        )
+    )
     return trainer
 
 

@@ -18,7 +18,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from figures import save_figure  # noqa: E402
 
 MODES = [("base", "base weights"), ("merged", "merged LoRA"), ("lora", "vLLM LoRA")]
@@ -49,13 +48,15 @@ def rollout_panel(ax, rollout: dict) -> None:
         ax.bar(xs, [r["tokens_per_s"].get(mode) or 0 for r in results], width, label=name, color=f"C{j}")
     for i, r in enumerate(results):
         top = max(v for v in r["tokens_per_s"].values() if v)
-        lora = (f"{r['merged_over_lora']:.1f}× LoRA" if r.get("merged_over_lora") else "no LoRA")
+        lora = f"{r['merged_over_lora']:.1f}× LoRA" if r.get("merged_over_lora") else "no LoRA"
         ax.text(i, top * 1.15, f"{r['merged_over_base']:.2f}× base\n{lora}", ha="center", va="bottom", fontsize=5.5)
     ax.set_yscale("log")
     ax.set_ylim(top=max(max(v for v in r["tokens_per_s"].values() if v) for r in results) * 6)
     ax.set_xticks(range(len(results)))
-    ax.set_xticklabels([f"{r['size']}\n{DTYPES.get(r['dtype'], r['dtype'])}\n{r['parameters'] / 1e6:.1f}M"
-                        for r in results], fontsize=6)
+    ax.set_xticklabels(
+        [f"{r['size']}\n{DTYPES.get(r['dtype'], r['dtype'])}\n{r['parameters'] / 1e6:.1f}M" for r in results],
+        fontsize=6,
+    )
     ax.set_ylabel("tokens / s (median)")
     ax.set_title("(a) rollout throughput")
     ax.legend(frameon=False, fontsize=6, loc="upper right", ncol=3, handlelength=1, columnspacing=0.8)
@@ -73,8 +74,11 @@ def sync_panels(ax_time, ax_mem, sync: dict) -> None:
     ax_time.set_xticks(list(xs))
     ax_time.set_xticklabels(labels, fontsize=6)
     ax_time.set_ylabel("seconds per sync (median; label: × plain push)")
-    ax_time.set_title(f"(b) weight sync time ({sync['settings']['parameters'] / 1e6:.1f}M, FSDP2 x2)"
-                      if "settings" in sync else "(b) weight sync time")
+    ax_time.set_title(
+        f"(b) weight sync time ({sync['settings']['parameters'] / 1e6:.1f}M, FSDP2 x2)"
+        if "settings" in sync
+        else "(b) weight sync time"
+    )
 
     width = 0.38
     for j, (consumer, name) in enumerate([("drain", "iterator drained"), ("vllm_push", "vLLM push")]):
@@ -94,10 +98,20 @@ def sync_panels(ax_time, ax_mem, sync: dict) -> None:
 def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
     rollout = read_json(Path(rollout_json), "results")
     sync = read_json(Path(sync_json), "methods")
-    plt.rcParams.update({"font.family": "serif", "font.size": 8, "axes.spines.top": False,
-                         "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3, "axes.axisbelow": True})
-    fig, axes = plt.subplots(1, 3, figsize=(11.5, 3.4), constrained_layout=True,
-                             gridspec_kw=dict(width_ratios=[1.7, 1, 1]))
+    plt.rcParams.update(
+        {
+            "font.family": "serif",
+            "font.size": 8,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.axisbelow": True,
+        }
+    )
+    fig, axes = plt.subplots(
+        1, 3, figsize=(11.5, 3.4), constrained_layout=True, gridspec_kw=dict(width_ratios=[1.7, 1, 1])
+    )
     rollout_panel(axes[0], rollout)
     sync_panels(axes[1], axes[2], sync)
     return save_figure(fig, out)

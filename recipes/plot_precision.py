@@ -18,38 +18,59 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from figures import save_figure  # noqa: E402
 
-MODES = {"vllm_merged": "vLLM, merged weights", "vllm_adapter": "vLLM, adapter (LoRARequest)",
-         "trainer": "trainer (autocast, fp32 LoRA)", "merged_weights_fp32_compute": "merged weights, fp32 compute"}
+MODES = {
+    "vllm_merged": "vLLM, merged weights",
+    "vllm_adapter": "vLLM, adapter (LoRARequest)",
+    "trainer": "trainer (autocast, fp32 LoRA)",
+    "merged_weights_fp32_compute": "merged weights, fp32 compute",
+}
 DTYPES = {"bfloat16": ("bf16", "-"), "float16": ("fp16", "--")}
 MODELS = {"qwen3-4b-2layers": "Qwen3-4B shape, 2 layers", "small": "small model (25.2M)", "tiny": "tiny model"}
 
 
 def plot(data: dict, out: Path) -> Path:
-    plt.rcParams.update({"font.family": "serif", "font.size": 8, "axes.spines.top": False,
-                         "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3})
+    plt.rcParams.update(
+        {
+            "font.family": "serif",
+            "font.size": 8,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+        }
+    )
     runs = data["runs"]
     fig, axes = plt.subplots(len(runs), 3, figsize=(11.0, 2.7 * len(runs)), constrained_layout=True, squeeze=False)
     for row, run in zip(axes, runs):
         for dtype, (short, style) in DTYPES.items():
-            points = sorted((r for r in run["results"] if r["dtype"] == dtype and r["update_ulps"] > 0),
-                            key=lambda r: r["update_ulps"])
+            points = sorted(
+                (r for r in run["results"] if r["dtype"] == dtype and r["update_ulps"] > 0),
+                key=lambda r: r["update_ulps"],
+            )
             if not points:
                 continue
             x = [r["update_ulps"] for r in points]
             for j, (mode, name) in enumerate(MODES.items()):
                 if mode not in points[0]:
                     continue
-                kw = dict(color=f"C{j}", linestyle=style, marker="o", markersize=2.5, linewidth=1,
-                          label=f"{name}, {short}")
+                kw = dict(
+                    color=f"C{j}", linestyle=style, marker="o", markersize=2.5, linewidth=1, label=f"{name}, {short}"
+                )
                 row[0].plot(x, [r[mode]["update_share"] for r in points], **kw)
                 row[1].plot(x, [r[mode]["mean_abs_err"] for r in points], **kw)
                 if "vllm_minus_trainer" in points[0][mode]:
                     row[2].plot(x, [r[mode]["vllm_minus_trainer"] for r in points], **kw)
-            row[0].plot(x, [r.get("sync_delta_kept", float("nan")) for r in points], color="grey", linestyle=style,
-                        linewidth=1.5, alpha=0.6, label=f"update kept in the merged weights, {short}")
+            row[0].plot(
+                x,
+                [r.get("sync_delta_kept", float("nan")) for r in points],
+                color="grey",
+                linestyle=style,
+                linewidth=1.5,
+                alpha=0.6,
+                label=f"update kept in the merged weights, {short}",
+            )
         title = MODELS.get(run["model"], run["model"])
         row[0].set_title(f"{title}: share of the LoRA's log-prob change", fontsize=8)
         row[0].axhline(1.0, color="black", linewidth=0.6)

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from bench_common import rss_peak_during, with_random_lora
-from grpo.checkpointing import full_adapter_state
-from merge import merged_lora_params
-from padding import packed_log_probs
-from grpo.parallel import apply_activation_checkpointing, apply_fsdp, check_same_weights, check_shared_output_dir
 from qwen3_lora import tiny_qwen3
 from torchrun import finish_worker
+
+from grpo.checkpointing import full_adapter_state
+from grpo.parallel import apply_activation_checkpointing, apply_fsdp, check_same_weights, check_shared_output_dir
+from merge import merged_lora_params
+from padding import packed_log_probs
 
 
 def packed_batch(rank: int, rows: int, length: int, vocab: int = 128):
@@ -27,8 +27,8 @@ def packed_batch(rank: int, rows: int, length: int, vocab: int = 128):
     mask = torch.ones(rows, length, dtype=torch.long)
     mask[0, : length // 4] = 0  # one left-padded prompt
     response_mask = torch.ones(rows, length // 2, dtype=torch.long)
-    response_mask[1, -length // 8:] = 0  # one short response
-    mask[1, -length // 8:] = 0
+    response_mask[1, -length // 8 :] = 0  # one short response
+    mask[1, -length // 8 :] = 0
     return ids, mask, response_mask
 
 
@@ -60,8 +60,10 @@ def gradient_checkpointing(rank: int, tmp: Path) -> None:
     worst = max((grads_plain[n] - grads_ckpt[n]).abs().max().item() for n in grads_plain)
     assert worst <= 1e-6, f"LoRA gradients differ by {worst} with gradient checkpointing"
     peak_plain, peak_ckpt = results[False]["peak"], results[True]["peak"]
-    print(f"rank {rank}: loss {loss_plain:.6f}, max |grad diff| {worst:.1e}; peak extra RSS of forward+backward "
-          f"{peak_plain / 2**20:.1f} MiB without checkpointing, {peak_ckpt / 2**20:.1f} MiB with")
+    print(
+        f"rank {rank}: loss {loss_plain:.6f}, max |grad diff| {worst:.1e}; peak extra RSS of forward+backward "
+        f"{peak_plain / 2**20:.1f} MiB without checkpointing, {peak_ckpt / 2**20:.1f} MiB with"
+    )
     assert peak_ckpt < 0.8 * peak_plain, (peak_ckpt, peak_plain)
 
 
@@ -82,8 +84,11 @@ def bf16_adapters(rank: int, tmp: Path) -> None:
 
     def build(base_dtype, adapter_dtype_follows_base: bool):
         torch.manual_seed(0)
-        return get_peft_model(tiny_qwen3(dtype=base_dtype, hidden=128), LoraConfig(r=8, lora_alpha=16, target_modules=[
-            "q_proj", "v_proj", "down_proj"]), autocast_adapter_dtype=not adapter_dtype_follows_base)
+        return get_peft_model(
+            tiny_qwen3(dtype=base_dtype, hidden=128),
+            LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
+            autocast_adapter_dtype=not adapter_dtype_follows_base,
+        )
 
     def lora_a(model) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().float().clone() for n, p in model.named_parameters() if "lora_A" in n}
@@ -92,9 +97,11 @@ def bf16_adapters(rank: int, tmp: Path) -> None:
         return sum(int((after[n] != before[n]).sum()) for n in after) / sum(t.numel() for t in after.values())
 
     runs = {}
-    for name, base, follows, compute in (("fp32", torch.float32, False, torch.float32),
-                                         ("bf16 base, fp32 LoRA", torch.bfloat16, False, torch.bfloat16),
-                                         ("bf16 base, bf16 LoRA", torch.bfloat16, True, torch.bfloat16)):
+    for name, base, follows, compute in (
+        ("fp32", torch.float32, False, torch.float32),
+        ("bf16 base, fp32 LoRA", torch.bfloat16, False, torch.bfloat16),
+        ("bf16 base, bf16 LoRA", torch.bfloat16, True, torch.bfloat16),
+    ):
         model = build(base, follows)
         apply_fsdp(model, compute)
         before = lora_a(model)
@@ -102,15 +109,18 @@ def bf16_adapters(rank: int, tmp: Path) -> None:
         after = lora_a(model)
         runs[name] = dict(model=model, moved=changed_fraction(after, before), lora_a=after, before=before)
     reference, mixed, pure = runs["fp32"], runs["bf16 base, fp32 LoRA"], runs["bf16 base, bf16 LoRA"]
+
     def update(run) -> torch.Tensor:
         return torch.cat([(run["lora_a"][n] - run["before"][n]).flatten() for n in sorted(run["lora_a"])])
 
     ours, wanted = update(mixed), update(reference)
     relative = ((ours - wanted).norm() / wanted.norm()).item()
     cosine = torch.nn.functional.cosine_similarity(ours, wanted, dim=0).item()
-    print(f"rank {rank}: lora_A entries changed: {reference['moved']:.1%} (fp32), {mixed['moved']:.1%} (bf16 base, "
-          f"fp32 LoRA), {pure['moved']:.1%} (bf16 LoRA); bf16-compute update vs fp32's: relative L2 difference "
-          f"{relative:.3f}, cosine {cosine:.4f}")
+    print(
+        f"rank {rank}: lora_A entries changed: {reference['moved']:.1%} (fp32), {mixed['moved']:.1%} (bf16 base, "
+        f"fp32 LoRA), {pure['moved']:.1%} (bf16 LoRA); bf16-compute update vs fp32's: relative L2 difference "
+        f"{relative:.3f}, cosine {cosine:.4f}"
+    )
     assert pure["moved"] < 0.2, "pure-bf16 LoRA: most lr 1e-5 steps should be lost to rounding (the defect)"
     assert mixed["moved"] > 0.95 and reference["moved"] > 0.95
     assert relative < 0.35 and cosine > 0.95, (relative, cosine)  # the same updates, up to bf16 compute
@@ -138,8 +148,9 @@ def sampling_streams(rank: int, tmp: Path) -> None:
 
     from grpo.rollout_engine import RolloutEngine
 
-    engine = RolloutEngine.for_model(str(tmp / "model"), dtype="float32", seed=rank, max_model_len=64,
-                                     kv_cache_gb=0.05, distributed=True)
+    engine = RolloutEngine.for_model(
+        str(tmp / "model"), dtype="float32", seed=rank, max_model_len=64, kv_cache_gb=0.05, distributed=True
+    )
     prompt = engine.tokenizer("Q: Ava has 3 cards.").input_ids
     samples = engine.generate([prompt, prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12))
     completions = [tuple(s.completion_ids) for s in samples]

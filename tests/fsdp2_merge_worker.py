@@ -10,11 +10,11 @@ import statistics
 
 import torch
 import torch.distributed as dist
-
 from bench_common import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
-from merge import decoder_layers, merged_lora_params
 from qwen3_lora import shard_and_train, tiny_lora
 from torchrun import finish_worker
+
+from merge import decoder_layers, merged_lora_params
 
 
 def main():
@@ -55,9 +55,11 @@ def main():
     assert full[lora_b].abs().sum() > 0, "the optimizer step should have made lora_B non-zero"
     changed = [n for n, p in model.named_parameters() if not torch.equal(local_before[n], p.to_local())]
     assert not changed, f"merged_lora_params modified trainer parameters: {changed[:3]}"
-    print(f"rank {rank}: peak extra memory of merged_lora_params {extra / 2**20:.1f} MiB = "
-          f"{extra / layer_bytes:.2f}x the largest decoder layer ({layer_bytes / 2**20:.1f} MiB); "
-          f"unshard()+reshard() of that layer alone: {floor / 2**20:.1f} MiB = {floor / layer_bytes:.2f}x")
+    print(
+        f"rank {rank}: peak extra memory of merged_lora_params {extra / 2**20:.1f} MiB = "
+        f"{extra / layer_bytes:.2f}x the largest decoder layer ({layer_bytes / 2**20:.1f} MiB); "
+        f"unshard()+reshard() of that layer alone: {floor / 2**20:.1f} MiB = {floor / layer_bytes:.2f}x"
+    )
     # On gloo, FSDP2's all-gather itself needs ~2 layers (output + staging); the merge may add half a layer.
     assert extra <= floor + 0.5 * layer_bytes, f"merge peak {extra} B > unshard peak {floor} B + 0.5 layer"
     assert extra <= 2.5 * layer_bytes, f"merge peak {extra} B > 2.5x the largest layer ({layer_bytes} B)"

@@ -12,13 +12,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from qwen3_lora import shard_and_train, tiny_lora
+from qwen3_moe_lora import tiny_moe_lora
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torchrun import finish_worker
 from transformers.core_model_loading import revert_weight_conversion
 
 from merge import merged_lora_params
-from qwen3_lora import shard_and_train, tiny_lora
-from qwen3_moe_lora import tiny_moe_lora
-from torchrun import finish_worker
 
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CASES = {  # name: (model builder, FSDP2 mixed precision policy or None)

@@ -10,12 +10,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
-
-from merge import MergePrecisionStats, merged_lora_params
 from qwen3_lora import shard_and_train, tiny_lora
 from qwen3_moe_lora import tiny_moe_lora
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchrun import finish_worker
+
+from merge import MergePrecisionStats, merged_lora_params
 
 CASES = {  # name: (model builder, FSDP2 mixed precision policy or None)
     "dense fp32": (lambda: tiny_lora(), None),
@@ -48,8 +48,11 @@ def check_case(name: str, build, mp_policy, rank: int) -> None:
     on_ranks = [None, None]
     dist.all_gather_object(on_ranks, sharded)
     assert on_ranks[0] == on_ranks[1], f"{name}: ranks differ: {on_ranks}"
-    print(f"rank {rank}: {name}: {sharded['tensors']} merged tensors, {sharded['entries']} entries, "
-          f"same figures as unsharded", flush=True)
+    print(
+        f"rank {rank}: {name}: {sharded['tensors']} merged tensors, {sharded['entries']} entries, "
+        f"same figures as unsharded",
+        flush=True,
+    )
 
 
 def main():

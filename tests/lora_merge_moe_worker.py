@@ -16,10 +16,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 import torch
 from peft import LoraConfig, get_peft_model
-
-from merge.weight_transfer import LoraMergeTrainer
 from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_qwen3_moe
 from vllm_moe_push_worker import hf_logprobs
+
+from merge.weight_transfer import LoraMergeTrainer
 
 
 def policy(model_dir: str, seed: int):
@@ -41,16 +41,31 @@ def main(out_path: str) -> None:
 
     model_dir = tempfile.mkdtemp()
     tiny_qwen3_moe(tie=False).save_pretrained(model_dir)
-    llm = LLM(model=model_dir, dtype="float32", seed=0, enforce_eager=True, max_model_len=256,
-              kv_cache_memory_bytes=32 * 2**20, enable_prefix_caching=False, skip_tokenizer_init=True,
-              weight_transfer_config={"backend": "lora_merge"})
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=32 * 2**20,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        weight_transfer_config={"backend": "lora_merge"},
+    )
     tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
 
     def largest_error(reference: torch.Tensor) -> float:
-        outputs = llm.generate([{"prompt_token_ids": row.tolist()} for row in tokens],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
-        served = torch.tensor([[step[t].logprob for step, t in zip(out.prompt_logprobs[1:], row[1:].tolist())]
-                               for out, row in zip(outputs, tokens)])
+        outputs = llm.generate(
+            [{"prompt_token_ids": row.tolist()} for row in tokens],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )
+        served = torch.tensor(
+            [
+                [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], row[1:].tolist())]
+                for out, row in zip(outputs, tokens)
+            ]
+        )
         return (served - reference).abs().max().item()  # NaN never within a bound
 
     trainer = LoraMergeTrainer.connect(llm, rank=0)
@@ -65,8 +80,11 @@ def main(out_path: str) -> None:
             if "lora_B" in name:  # every LoRA but the embedding's (whose factors are lora_embedding_*)
                 param.zero_()
     embedding_effect = (hf_logprobs(embedding_only.merge_and_unload(), tokens) - base).abs().max().item()
-    result = dict(base_error=largest_error(base), lora_effect=(expected_first - base).abs().max().item(),
-                  embedding_lora_effect=embedding_effect)
+    result = dict(
+        base_error=largest_error(base),
+        lora_effect=(expected_first - base).abs().max().item(),
+        embedding_lora_effect=embedding_effect,
+    )
     stats = trainer.send_weights(first, weight_version="1")
     result["first_error"] = largest_error(expected_first)
     trainer.send_weights(second, weight_version="2")

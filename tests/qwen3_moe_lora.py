@@ -17,25 +17,39 @@ TARGETS = {
 }
 
 
-def tiny_qwen3_moe(seed: int = 0, dtype=torch.float32, layers: int = 2, hidden: int = 64,
-                   tie: bool = True) -> Qwen3MoeForCausalLM:
+def tiny_qwen3_moe(
+    seed: int = 0, dtype=torch.float32, layers: int = 2, hidden: int = 64, tie: bool = True
+) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=hidden, moe_intermediate_size=32, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-                            num_experts_per_tok=2, tie_word_embeddings=tie, max_position_embeddings=256)
+    config = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+    )
     return Qwen3MoeForCausalLM(config).to(dtype)
 
 
-def tiny_moe_lora(seed=0, dtype=torch.float32, targets="both", layers=2, hidden=64, autocast_adapter_dtype=True,
-                  **lora):
+def tiny_moe_lora(
+    seed=0, dtype=torch.float32, targets="both", layers=2, hidden=64, autocast_adapter_dtype=True, **lora
+):
     """A LoRA model whose lora_B is non-zero, so merging changes every targeted weight.
 
     ``autocast_adapter_dtype`` is peft's: True (its default) makes fp32 factors on a bf16 base; False keeps
     them in the base's dtype (bf16 everything).
     """
-    model = get_peft_model(tiny_qwen3_moe(seed, dtype, layers, hidden),
-                           LoraConfig(r=4, lora_alpha=8, **TARGETS[targets], **lora),
-                           autocast_adapter_dtype=autocast_adapter_dtype)
+    model = get_peft_model(
+        tiny_qwen3_moe(seed, dtype, layers, hidden),
+        LoraConfig(r=4, lora_alpha=8, **TARGETS[targets], **lora),
+        autocast_adapter_dtype=autocast_adapter_dtype,
+    )
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

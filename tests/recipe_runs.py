@@ -7,20 +7,45 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_RUN = ["max_steps=6", "per_device_train_batch_size=8", "steps_per_generation=2", "num_generations=4",
-             "max_completion_length=24", "data.num_generated=256", "vllm.verify_sync=true", "learning_rate=5e-5",
-             "eval_steps=null"]
+SMALL_RUN = [
+    "max_steps=6",
+    "per_device_train_batch_size=8",
+    "steps_per_generation=2",
+    "num_generations=4",
+    "max_completion_length=24",
+    "data.num_generated=256",
+    "vllm.verify_sync=true",
+    "learning_rate=5e-5",
+    "eval_steps=null",
+]
 
 
 CPU_ACCELERATE_CONFIG = ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
 
 
-def launch_command(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml",
-                   accelerate_config: Path = CPU_ACCELERATE_CONFIG) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(accelerate_config), str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
-            "--config", str(ROOT / "recipes" / "configs" / config), f"model.name_or_path={model}",
-            "model.build_tiny=null", f"output_dir={output_dir}", "run_name=run", *SMALL_RUN, *overrides]
+def launch_command(
+    output_dir: Path,
+    model: str,
+    *overrides: str,
+    config: str = "tiny_cpu.yaml",
+    accelerate_config: Path = CPU_ACCELERATE_CONFIG,
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(accelerate_config),
+        str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
+        "--config",
+        str(ROOT / "recipes" / "configs" / config),
+        f"model.name_or_path={model}",
+        "model.build_tiny=null",
+        f"output_dir={output_dir}",
+        "run_name=run",
+        *SMALL_RUN,
+        *overrides,
+    ]
 
 
 def launch_env() -> dict[str, str]:
@@ -34,8 +59,15 @@ def run_recipe(output_dir: Path, *overrides: str, offline: bool = True, config: 
     env = launch_env()
     if not offline:
         env.pop("HF_HUB_OFFLINE")
-    command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py"), "--config",
-               str(ROOT / "recipes" / "configs" / config), f"output_dir={output_dir}", "run_name=run", *overrides]
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
+        "--config",
+        str(ROOT / "recipes" / "configs" / config),
+        f"output_dir={output_dir}",
+        "run_name=run",
+        *overrides,
+    ]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -53,10 +85,20 @@ def read_evals(output_dir: Path) -> list[dict]:
     return [line for line in read_lines(output_dir) if "eval_reward_greedy" in line]
 
 
-def launch(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml",
-           accelerate_config: Path = CPU_ACCELERATE_CONFIG):
+def launch(
+    output_dir: Path,
+    model: str,
+    *overrides: str,
+    config: str = "tiny_cpu.yaml",
+    accelerate_config: Path = CPU_ACCELERATE_CONFIG,
+):
     """Run the recipe to the end; returns (the finished process, the metrics of its rollout steps)."""
-    proc = subprocess.run(launch_command(output_dir, model, *overrides, config=config,
-                                         accelerate_config=accelerate_config),
-                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        launch_command(output_dir, model, *overrides, config=config, accelerate_config=accelerate_config),
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return proc, read_metrics(output_dir)

@@ -15,14 +15,23 @@ from pathlib import Path
 
 import pytest
 import yaml
+from recipe_runs import CPU_ACCELERATE_CONFIG, ROOT, launch, launch_command, launch_env
 from transformers import AutoModelForCausalLM
 
 from grpo.parallel import check_same_weights, fsdp_settings
-from recipe_runs import CPU_ACCELERATE_CONFIG, ROOT, launch, launch_command, launch_env
 
 GPU_CONFIGS = sorted(p for p in (ROOT / "accelerate_configs").glob("*.yaml") if p != CPU_ACCELERATE_CONFIG)
-LAYOUT_KEYS = ("num_machines", "num_processes", "machine_rank", "main_process_ip", "main_process_port",
-               "rdzv_backend", "same_network", "gpu_ids", "use_cpu")
+LAYOUT_KEYS = (
+    "num_machines",
+    "num_processes",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "rdzv_backend",
+    "same_network",
+    "gpu_ids",
+    "use_cpu",
+)
 TWIN_RUN = ("max_steps=4", "vllm.max_logprob_diff=1e-9")
 TIMINGS = re.compile(r"(_s|_per_s|peak_mem_gb)$")
 
@@ -44,11 +53,30 @@ def twins() -> dict[str, list[str]]:
 def exported_fsdp_env(config: Path, tmp_path: Path) -> dict:
     """The FSDP_*/ACCELERATE_* environment `accelerate launch` gives a process for ``config`` (one process)."""
     probe = tmp_path / "probe.py"
-    probe.write_text("import os, json; print('ENV=' + json.dumps({k: v for k, v in os.environ.items() "
-                     "if k.startswith(('FSDP_', 'ACCELERATE_MIXED', 'ACCELERATE_USE_FSDP'))}))")
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                           "--num_processes", "1", "--num_machines", "1", "--machine_rank", "0", str(probe)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    probe.write_text(
+        "import os, json; print('ENV=' + json.dumps({k: v for k, v in os.environ.items() "
+        "if k.startswith(('FSDP_', 'ACCELERATE_MIXED', 'ACCELERATE_USE_FSDP'))}))"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--machine_rank",
+            "0",
+            str(probe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     line = next((line for line in proc.stdout.splitlines() if line.startswith("ENV=")), None)
     assert line, (config.name, proc.stderr[-3000:])
     return json.loads(line[4:])
@@ -79,8 +107,9 @@ def cpu_run(tmp_path_factory, tiny_model):
 
 
 @pytest.mark.parametrize("twin_yaml", list(twins()), ids=["+".join(names) for names in twins().values()])
-def test_the_recipe_under_each_twin_loads_the_real_weights_and_trains_as_the_cpu_config(twin_yaml, cpu_run,
-                                                                                           tmp_path, tiny_model):
+def test_the_recipe_under_each_twin_loads_the_real_weights_and_trains_as_the_cpu_config(
+    twin_yaml, cpu_run, tmp_path, tiny_model
+):
     config = tmp_path / "twin.yaml"
     config.write_text(twin_yaml)
     proc, metrics = launch(tmp_path, tiny_model, *TWIN_RUN, accelerate_config=config)
@@ -101,11 +130,19 @@ def test_a_config_that_leaves_out_fsdp_cpu_ram_efficient_loading_is_refused_by_n
     del data["fsdp_config"]["fsdp_cpu_ram_efficient_loading"]
     config = tmp_path / "without_the_key.yaml"
     config.write_text(yaml.safe_dump(data))
-    proc = subprocess.run(launch_command(tmp_path, "unused", accelerate_config=config), cwd=ROOT, env=launch_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        launch_command(tmp_path, "unused", accelerate_config=config),
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert ours == ["error: accelerate config fsdp_cpu_ram_efficient_loading='true' is not supported (accelerate "
-                    "sets it true when the config does not name it): with it, transformers loads all-zero weights "
-                    "on every process but local rank 0. Set `fsdp_cpu_ram_efficient_loading: false` in the "
-                    "accelerate config's fsdp_config (every process reads the checkpoint)"], proc.stderr[-3000:]
+    assert ours == [
+        "error: accelerate config fsdp_cpu_ram_efficient_loading='true' is not supported (accelerate "
+        "sets it true when the config does not name it): with it, transformers loads all-zero weights "
+        "on every process but local rank 0. Set `fsdp_cpu_ram_efficient_loading: false` in the "
+        "accelerate config's fsdp_config (every process reads the checkpoint)"
+    ], proc.stderr[-3000:]

@@ -5,7 +5,6 @@ import argparse
 
 import matplotlib.image
 import pytest
-
 from bench_precision import bench_model
 from plot_precision import plot
 
@@ -13,8 +12,15 @@ from plot_precision import plot
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     cache = tmp_path_factory.mktemp("bench-precision")
-    args = argparse.Namespace(dtypes=["bfloat16", "float16"], update_ulps=[0.05, 3.0], rank=32, sequences=4,
-                              tokens=48, kv_cache_gb=0.05, cache=str(cache))
+    args = argparse.Namespace(
+        dtypes=["bfloat16", "float16"],
+        update_ulps=[0.05, 3.0],
+        rank=32,
+        sequences=4,
+        tokens=48,
+        kv_cache_gb=0.05,
+        cache=str(cache),
+    )
     return bench_model("tiny", args)
 
 

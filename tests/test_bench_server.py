@@ -11,8 +11,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_server_smallest_mode(tiny_model, tmp_path):
     out = tmp_path / "bench_server.json"
-    command = [sys.executable, str(ROOT / "recipes" / "bench_server.py"), "--models", "tiny", "--rollout-models",
-               "--reps", "1", "--no-adapter", "--rank", "8", "--tiny-model", tiny_model, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "bench_server.py"),
+        "--models",
+        "tiny",
+        "--rollout-models",
+        "--reps",
+        "1",
+        "--no-adapter",
+        "--rank",
+        "8",
+        "--tiny-model",
+        tiny_model,
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

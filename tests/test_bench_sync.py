@@ -1,7 +1,7 @@
-"""The drift measurement of recipes/bench_sync.py (bench_common.merge_unmerge_drift): peft's in-place merge/unmerge drifts in bf16, ours does not."""
+"""The drift measurement of recipes/bench_sync.py (bench_common.merge_unmerge_drift): peft's in-place merge/unmerge
+drifts in bf16, ours does not."""
 
 import torch
-
 from bench_common import merge_unmerge_drift
 from qwen3_lora import tiny_lora
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel
+from qwen3_lora import tiny_lora, tiny_qwen3
+from recipe_runs import run_recipe
 
 from grpo import checkpointing
 from grpo.checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from grpo.config import ConfigError, load_config
 from grpo.parallel import fsdp_settings
-from recipe_runs import run_recipe
 from grpo.rollout_engine import check_vllm_lora_targets
-from qwen3_lora import tiny_lora, tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"learning_rate": 1e-3, "lora": {"r": 8}, "max_steps": 10}
@@ -68,8 +68,10 @@ def test_restores_adapter_optimizer_scheduler_and_rng(tmp_path):
     assert np.array_equal(np.random.randint(2**31, size=3), expected[1]) and random.random() == expected[2]
     # the checkpoint's adapter is a peft adapter
     loaded = PeftModel.from_pretrained(tiny_qwen3(), str(path))
-    assert torch.equal(dict(loaded.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"],
-                       dict(model.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"])
+    assert torch.equal(
+        dict(loaded.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"],
+        dict(model.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"],
+    )
 
 
 @pytest.mark.parametrize("fail_in", ["save_file", "save"])
@@ -122,11 +124,14 @@ def test_a_new_run_beside_earlier_checkpoints_goes_to_the_next_free_folder(tmp_p
     """run/ and run-2/ hold checkpoints: a new run writes to run-3/ and says so (it stops later, at the reward)."""
     (tmp_path / "run" / "checkpoint-8").mkdir(parents=True)
     (tmp_path / "run-2" / "checkpoint-4").mkdir(parents=True)
-    proc = run_recipe(tmp_path, f"model.name_or_path={tiny_model}", "model.build_tiny=null",
-                      "reward_funcs=[no_such_module:reward]")
+    proc = run_recipe(
+        tmp_path, f"model.name_or_path={tiny_model}", "model.build_tiny=null", "reward_funcs=[no_such_module:reward]"
+    )
     assert proc.returncode == 2 and "reward_funcs entry 'no_such_module:reward' cannot be imported" in proc.stderr
-    assert (f"{tmp_path / 'run'} already holds a run (checkpoint-8), so this one writes to {tmp_path / 'run-3'}; "
-            "to continue that run instead, add resume_from_checkpoint=last") in proc.stderr, proc.stderr[-3000:]
+    assert (
+        f"{tmp_path / 'run'} already holds a run (checkpoint-8), so this one writes to {tmp_path / 'run-3'}; "
+        "to continue that run instead, add resume_from_checkpoint=last"
+    ) in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "run-3" / "train.log").is_file()
     assert yaml.safe_load((tmp_path / "run-3" / "config.yaml").read_text())["run_name"] == "run-3"
     proc = run_recipe(tmp_path, "model.build_tiny=null", "resume_from=/no/such/checkpoint")
@@ -151,13 +156,16 @@ def test_vllm_lora_targets_are_checked():
         check_vllm_lora_targets(tiny_qwen3(), ["q_proj", "lm_head"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["lora.use_dora=true"], "lora.use_dora=True is not supported"),
-    (["lora.merge=false", "lora.r=64", "vllm.max_lora_rank=32"], "lora.r=64 exceeds vllm.max_lora_rank=32"),
-    (["lora.merge=false", "lora.r=1024"], "vLLM allows ranks up to 512"),
-    (["lora.merge=false", "lora.modules_to_save=[lm_head]"], "vLLM's LoRA cannot serve lora.modules_to_save"),
-    (["save_total_limit=0"], "save_total_limit=0 is out of range: it must be >= 1 or null"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["lora.use_dora=true"], "lora.use_dora=True is not supported"),
+        (["lora.merge=false", "lora.r=64", "vllm.max_lora_rank=32"], "lora.r=64 exceeds vllm.max_lora_rank=32"),
+        (["lora.merge=false", "lora.r=1024"], "vLLM allows ranks up to 512"),
+        (["lora.merge=false", "lora.modules_to_save=[lm_head]"], "vLLM's LoRA cannot serve lora.modules_to_save"),
+        (["save_total_limit=0"], "save_total_limit=0 is out of range: it must be >= 1 or null"),
+    ],
+)
 def test_adapters_vllm_or_merge_cannot_serve_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
@@ -171,8 +179,10 @@ def test_dataset_without_the_reward_columns_is_refused(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "What is 2+2?", "solution": "4"}\n')
     tiny_qwen3().config.save_pretrained(tmp_path / "model")  # a model config (its weights are never read)
-    proc = run_recipe(tmp_path, "model.build_tiny=null", f"model.name_or_path={tmp_path / 'model'}",
-                      f"data.name={data}")
+    proc = run_recipe(
+        tmp_path, "model.build_tiny=null", f"model.name_or_path={tmp_path / 'model'}", f"data.name={data}"
+    )
     assert proc.returncode != 0
-    assert re.search(r"lacks column\(s\) \['answer'\] that reward_funcs .* it has \['question', 'solution'\]",
-                     proc.stderr), proc.stderr[-3000:]
+    assert re.search(
+        r"lacks column\(s\) \['answer'\] that reward_funcs .* it has \['question', 'solution'\]", proc.stderr
+    ), proc.stderr[-3000:]

@@ -1,6 +1,5 @@
 """Checks with two processes (torchrun, gloo on CPU); what each rank asserts is in tests/distributed_checks.py."""
 
-
 from torchrun import torchrun
 
 

@@ -8,15 +8,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the lent GPU machines have no vLLM: an import of it anywhere on the kit's path fails here as it would there
-WITHOUT_VLLM = ("import runpy, sys; sys.modules['vllm'] = None; sys.argv = sys.argv[1:]; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
+WITHOUT_VLLM = (
+    "import runpy, sys; sys.modules['vllm'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def test_the_gpu_kit_runs_every_section_without_vllm(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_VLLM, str(ROOT / "recipes" / "gpu_check.py"), "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_VLLM, str(ROOT / "recipes" / "gpu_check.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert not report["vllm_imported"] and report["environment"]["device"] == "cpu"
@@ -29,6 +36,10 @@ def test_the_gpu_kit_runs_every_section_without_vllm(tmp_path):
     sdpa = attention["sdpa_mask"]  # transformers' T x T mask: the same attention, up to bf16 rounding
     assert 0 < sdpa["max_abs_delta_logps"] < 5e-2 and sdpa["max_abs_delta_lora_grad"] < 0.1 * sdpa["max_abs_lora_grad"]
     assert len(fp16["steps"]) == 4 and fp16["all_losses_finite"] and fp16["steps"][0]["loss_scale"] == 2.0**16
-    for line in ("update: peak allocated / plan", "sync: merged_lora_params / plain walk", "attention varlen",
-                 "fp16: losses finite, skipped, last scale"):
+    for line in (
+        "update: peak allocated / plan",
+        "sync: merged_lora_params / plain walk",
+        "attention varlen",
+        "fp16: losses finite, skipped, last scale",
+    ):
         assert line in proc.stdout

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from qwen3_lora import tiny_lora
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from grpo.config import ConfigError, load_config
+from grpo.engine import EngineStateError
 from grpo.memory_plan import GIB, check_fits, memory_plan
 from grpo.parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
 from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
-from qwen3_lora import tiny_lora
-from grpo.engine import EngineStateError
 from grpo.rollout_engine import RolloutEngine, engine_kwargs, recipe_engine_args, recipe_llm_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,9 +101,16 @@ def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
         engine.generate([[1, 2]], sampling=None)
         engine.generate([[3]], sampling=None)
     assert RecordingLLM.calls == [
-        ("LLM", True), ("_classes_without_own_weights", []), ("sleep", sleep_level),
-        ("wake_up", ("weights",)), ("reload_repacking_cpu_experts", ["weights_iterator"]), ("reset_prefix_cache",),
-        ("wake_up", ("kv_cache",)), ("generate", 1), ("generate", 1), ("sleep", sleep_level),
+        ("LLM", True),
+        ("_classes_without_own_weights", []),
+        ("sleep", sleep_level),
+        ("wake_up", ("weights",)),
+        ("reload_repacking_cpu_experts", ["weights_iterator"]),
+        ("reset_prefix_cache",),
+        ("wake_up", ("kv_cache",)),
+        ("generate", 1),
+        ("generate", 1),
+        ("sleep", sleep_level),
     ]
 
 
@@ -184,27 +191,48 @@ def contract_run(tmp_path, overrides: list[str]):
     from grpo.run import Run
     from grpo.trackers import Trackers
 
-    cfg = load_config(ROOT / "recipes" / "configs" / "tiny_cpu.yaml",
-                      ["vllm.enable_sleep_mode=true", "eval_steps=8", "max_steps=16", *overrides])
+    cfg = load_config(
+        ROOT / "recipes" / "configs" / "tiny_cpu.yaml",
+        ["vllm.enable_sleep_mode=true", "eval_steps=8", "max_steps=16", *overrides],
+    )
     engine = RolloutEngine.from_config(cfg, recipe_llm_kwargs(cfg, rank=0, world=1, device_type="cuda"))
     problems = [{"prompt": f"Q{i}", "prompt_ids": [1, 2 + i], "answer": "4"} for i in range(8)]
-    return Run(cfg=cfg, rank=0, world=1, device=torch.device("cpu"), run_dir=tmp_path, problems=problems,
-               reward_funcs={"exact": lambda completions, answer, **kw: [float(c.strip() == a) for c, a in
-                                                                         zip(completions, answer)]},
-               pad_id=0, model=tiny_lora(), optimizer=None, scheduler=None, engine=engine,
-               trackers=Trackers([], "t", tmp_path, {}, 0), eval_problems=problems[:3], loss_settings=None,
-               compute_dtype=torch.float32, num_rollout_steps=4, resumed_rollout_step=0, guard=LogprobGuard(cfg))
+    return Run(
+        cfg=cfg,
+        rank=0,
+        world=1,
+        device=torch.device("cpu"),
+        run_dir=tmp_path,
+        problems=problems,
+        reward_funcs={
+            "exact": lambda completions, answer, **kw: [float(c.strip() == a) for c, a in zip(completions, answer)]
+        },
+        pad_id=0,
+        model=tiny_lora(),
+        optimizer=None,
+        scheduler=None,
+        engine=engine,
+        trackers=Trackers([], "t", tmp_path, {}, 0),
+        eval_problems=problems[:3],
+        loss_settings=None,
+        compute_dtype=torch.float32,
+        num_rollout_steps=4,
+        resumed_rollout_step=0,
+        guard=LogprobGuard(cfg),
+    )
 
 
-@pytest.mark.parametrize("overrides", [["lora.merge=true"], ["lora.merge=false"], ["vllm.sync=false"]],
-                         ids=["merge_on", "merge_off", "sync_off"])
+@pytest.mark.parametrize(
+    "overrides",
+    [["lora.merge=true"], ["lora.merge=false"], ["vllm.sync=false"]],
+    ids=["merge_on", "merge_off", "sync_off"],
+)
 def test_the_recipes_phases_keep_vllms_sleep_contract(monkeypatch, tmp_path, overrides):
     """The recipe's real phase order (sync, evaluation at step 0 and later, rollout; the final evaluation) on an
     engine that keeps vLLM 0.32's sleep contract: every generation finds the engine fully awake, on loaded weights,
     and the engine sleeps between phases (the update's memory)."""
-    import vllm
-
     import grpo_qwen3_4b as recipe
+    import vllm
 
     monkeypatch.setattr(vllm, "LLM", SleepContractLLM)
     run = contract_run(tmp_path, overrides)
@@ -277,19 +305,33 @@ def test_a_batch_that_cannot_fit_is_refused_with_the_phase_and_what_to_lower():
 
 def test_the_4b_shape_is_qwen3_4b():
     config = qwen3_4b_config()
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim, config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == (
-        36, 2560, 32, 8, 128, 9728, 151936, True)
+    assert (
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        config.tie_word_embeddings,
+    ) == (36, 2560, 32, 8, 128, 9728, 151936, True)
     assert qwen3_4b_config(num_layers=2).num_hidden_layers == 2 and QWEN3_4B["rope_theta"] == 1e6
 
 
 # ----------------------------------------------------------------------------- accelerate's fsdp_* keys
 def test_honoured_fsdp_keys_reach_fully_shard():
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
-           "FSDP_OFFLOAD_PARAMS": "true", "FSDP_ACTIVATION_CHECKPOINTING": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    env = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "false",
+        "FSDP_OFFLOAD_PARAMS": "true",
+        "FSDP_ACTIVATION_CHECKPOINTING": "true",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+    }
     settings = fsdp_settings(env)
-    assert settings == FSDPSettings(reshard_after_forward=False, offload_params=True, activation_checkpointing=True,
-                                    mixed_precision="bf16")
+    assert settings == FSDPSettings(
+        reshard_after_forward=False, offload_params=True, activation_checkpointing=True, mixed_precision="bf16"
+    )
     kwargs = fully_shard_kwargs(settings, torch.bfloat16)
     assert kwargs["reshard_after_forward"] is False and isinstance(kwargs["offload_policy"], CPUOffloadPolicy)
     assert kwargs["mp_policy"].param_dtype == torch.bfloat16 and kwargs["mp_policy"].reduce_dtype == torch.float32
@@ -297,19 +339,22 @@ def test_honoured_fsdp_keys_reach_fully_shard():
     assert defaults["reshard_after_forward"] is True and "offload_policy" not in defaults
 
 
-@pytest.mark.parametrize("variable, value, key", [
-    ("FSDP_VERSION", "1", "fsdp_version"),
-    ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP", "fsdp_sharding_strategy"),
-    ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "fsdp_auto_wrap_policy"),
-    ("FSDP_BACKWARD_PREFETCH", "BACKWARD_POST", "fsdp_backward_prefetch"),
-    ("FSDP_FORWARD_PREFETCH", "true", "fsdp_forward_prefetch"),
-    ("FSDP_USE_ORIG_PARAMS", "false", "fsdp_use_orig_params"),
-    ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT", "fsdp_state_dict_type"),
-    ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true", "fsdp_activation_checkpointing_offload"),
-    ("FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules"),
-    ("ACCELERATE_MIXED_PRECISION", "fp16", "mixed_precision"),
-    ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading"),
-])
+@pytest.mark.parametrize(
+    "variable, value, key",
+    [
+        ("FSDP_VERSION", "1", "fsdp_version"),
+        ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP", "fsdp_sharding_strategy"),
+        ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "fsdp_auto_wrap_policy"),
+        ("FSDP_BACKWARD_PREFETCH", "BACKWARD_POST", "fsdp_backward_prefetch"),
+        ("FSDP_FORWARD_PREFETCH", "true", "fsdp_forward_prefetch"),
+        ("FSDP_USE_ORIG_PARAMS", "false", "fsdp_use_orig_params"),
+        ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT", "fsdp_state_dict_type"),
+        ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true", "fsdp_activation_checkpointing_offload"),
+        ("FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules"),
+        ("ACCELERATE_MIXED_PRECISION", "fp16", "mixed_precision"),
+        ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading"),
+    ],
+)
 def test_fsdp_keys_the_recipe_would_not_carry_out_are_refused_by_name(variable, value, key):
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", variable: value}
     with pytest.raises(ConfigError, match=f"accelerate config {key}='{value}' is not supported"):
@@ -331,10 +376,17 @@ def test_the_plan_counts_fsdp2s_root_the_syncs_copies_and_sleeping_cuda_graphs()
     assert one["terms"]["sync copies"] == root * 2  # unsharded: views are yielded, vLLM still rebuilds
     assert one["terms"]["vLLM CUDA graphs"] == GIB  # sleep mode on, enforce_eager false
     terms = eight["terms"]
-    assert eight["phases"]["update"] == (terms["policy shard"] + terms["LoRA + AdamW"] + terms["unsharded layers"]
-                                         + terms["unsharded root"] + terms["activations"] + GIB)
-    assert eight["phases"]["sync"] == (terms["policy shard"] + terms["LoRA + AdamW"] + terms["vLLM weights"]
-                                       + terms["sync copies"])
+    assert eight["phases"]["update"] == (
+        terms["policy shard"]
+        + terms["LoRA + AdamW"]
+        + terms["unsharded layers"]
+        + terms["unsharded root"]
+        + terms["activations"]
+        + GIB
+    )
+    assert eight["phases"]["sync"] == (
+        terms["policy shard"] + terms["LoRA + AdamW"] + terms["vLLM weights"] + terms["sync copies"]
+    )
     eager = memory_plan(c, load_config(QWEN_CONFIG, ["vllm.enforce_eager=true"]), world=8)
     assert eager["terms"]["vLLM CUDA graphs"] == 0 and eager["phases"]["update"] == eight["phases"]["update"] - GIB
     assert check_fits(one, 80 * GIB, cfg) is None and check_fits(eight, 80 * GIB, cfg) is None
@@ -416,10 +468,12 @@ def test_flash_attention_2_without_flash_attn_is_refused_at_config_time(monkeypa
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else
-                        find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else find_spec(name, *a)
+    )
     with pytest.raises(ConfigError, match="model.attn_implementation='flash_attention_2' needs the flash-attn"):
         load_config(QWEN_CONFIG, ["model.attn_implementation=flash_attention_2"])
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else
-                        find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a)
+    )
     assert load_config(QWEN_CONFIG, ["model.attn_implementation=flash_attention_2"]).model.attn_implementation

@@ -7,21 +7,44 @@ on a quickly warmed-up tiny model; the assertions read the run's own metrics.jso
 import pytest
 import torch
 from peft import PeftModel
+from recipe_runs import launch, read_evals, run_recipe
 from transformers import AutoModelForCausalLM
 
 from grpo.config import MAX_LOGPROB_DIFF
-from recipe_runs import launch, read_evals, run_recipe
 
-METRIC_NAMES = {"rollout_step", "global_step", "merge", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max",
-                "ratio_onpolicy_mean", "ratio_onpolicy_maxdev", "clip_frac", "is_ratio_mean",
-                "rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_tokens", "rollout_s",
-                "rollout_tokens_per_s", "sync_s", "update_s", "step_s", "peak_mem_gb"}
+METRIC_NAMES = {
+    "rollout_step",
+    "global_step",
+    "merge",
+    "reward_mean",
+    "reward_std",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "ratio_onpolicy_mean",
+    "ratio_onpolicy_maxdev",
+    "clip_frac",
+    "is_ratio_mean",
+    "rollout_logprob_diff_mean",
+    "rollout_logprob_diff_max",
+    "rollout_tokens",
+    "rollout_s",
+    "rollout_tokens_per_s",
+    "sync_s",
+    "update_s",
+    "step_s",
+    "peak_mem_gb",
+}
 
 
-@pytest.mark.parametrize("merge, extra", [
-    (True, ["eval_steps=4", "report_to=[tensorboard]", "top_p=0.9"]),
-    (False, ["beta=0.04", "top_k=20", "padding.logprob_chunk_size=16"]),
-], ids=["merge_on_with_eval_tensorboard_top_p", "merge_off_with_reference_kl_top_k_lm_head_chunks"])
+@pytest.mark.parametrize(
+    "merge, extra",
+    [
+        (True, ["eval_steps=4", "report_to=[tensorboard]", "top_p=0.9"]),
+        (False, ["beta=0.04", "top_k=20", "padding.logprob_chunk_size=16"]),
+    ],
+    ids=["merge_on_with_eval_tensorboard_top_p", "merge_off_with_reference_kl_top_k_lm_head_chunks"],
+)
 def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
     """vLLM's log-probs are those of its truncated (top-p / top-k) distribution; the trainer's follow the same
     truncation, so in fp32 they agree to 1e-6 and the on-policy ratio is 1, merge on and off."""
@@ -69,8 +92,9 @@ def check_eval_and_tensorboard(tmp_path, metrics):
 def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype):
     """With the sync disabled, vLLM keeps serving stale weights: the log-prob guard, at its default for the dtype,
     stops the run within a few rollout steps at a learning rate the embedded default trains with."""
-    proc, metrics = launch(tmp_path, tiny_model, "vllm.sync=false", "learning_rate=1e-3", f"model.dtype={dtype}",
-                           "max_steps=12")
+    proc, metrics = launch(
+        tmp_path, tiny_model, "vllm.sync=false", "learning_rate=1e-3", f"model.dtype={dtype}", "max_steps=12"
+    )
     assert proc.returncode != 0
     assert "broken or skipped weight sync" in proc.stderr
     assert len(metrics) <= 4, [m["rollout_logprob_diff_mean"] for m in metrics]
@@ -80,16 +104,19 @@ def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype
     assert metrics[-1]["rollout_logprob_diff_mean"] > max(default, 10 * baseline)  # the calibrated limit
 
 
-@pytest.mark.parametrize("dtype, merge", [("bfloat16", True), ("bfloat16", False), ("float16", True),
-                                          ("float16", False)], ids=["bf16_merge_on", "bf16_merge_off",
-                                                                    "fp16_merge_on", "fp16_merge_off"])
+@pytest.mark.parametrize(
+    "dtype, merge",
+    [("bfloat16", True), ("bfloat16", False), ("float16", True), ("float16", False)],
+    ids=["bf16_merge_on", "bf16_merge_off", "fp16_merge_on", "fp16_merge_off"],
+)
 def test_half_precision_trains_fp32_adapters_with_the_guard_armed(tmp_path, tiny_model, dtype, merge):
     """bf16 or fp16 base and compute, fp32 LoRA: the run completes under the dtype's default guard and saves an fp32
     adapter; fp16 reports its loss scale, and the merged push its precision figures, every rollout step."""
     from safetensors.torch import load_file
 
-    proc, metrics = launch(tmp_path, tiny_model, f"model.dtype={dtype}", f"lora.merge={str(merge).lower()}",
-                           "learning_rate=1e-3")
+    proc, metrics = launch(
+        tmp_path, tiny_model, f"model.dtype={dtype}", f"lora.merge={str(merge).lower()}", "learning_rate=1e-3"
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert len(metrics) == 3
     for m in metrics:
@@ -118,8 +145,14 @@ def test_moe_experts_merged_and_served(tmp_path, tiny_moe_model):
     saved = (tmp_path / "run" / "adapter" / "adapter_config.json").read_text()
     assert "mlp.experts.gate_up_proj" in saved  # the adapter holds the experts' LoRA
     for targets in ("[mlp.experts.gate_up_proj]", "null"):  # LoRA on the experts; on attention of an MoE model
-        refused = run_recipe(tmp_path / "refused", "model.build_tiny=null", f"model.name_or_path={tiny_moe_model}",
-                             "lora.merge=false", f"lora.target_parameters={targets}", config="tiny_moe_cpu.yaml")
+        refused = run_recipe(
+            tmp_path / "refused",
+            "model.build_tiny=null",
+            f"model.name_or_path={tiny_moe_model}",
+            "lora.merge=false",
+            f"lora.target_parameters={targets}",
+            config="tiny_moe_cpu.yaml",
+        )
         assert refused.returncode == 2 and "lora.merge=false: vLLM" in refused.stderr, refused.stderr[-3000:]
         assert "cannot serve" in refused.stderr and "lora.merge=true" in refused.stderr
 

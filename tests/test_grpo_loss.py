@@ -39,8 +39,15 @@ OTHER_MINIBATCH_TOKENS = 23  # num_items_in_batch also counts the generation bat
 
 
 def trl_config(**fields) -> GRPOConfig:
-    base = dict(output_dir="unused", report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=B,
-                num_generations=2, use_vllm=True)
+    base = dict(
+        output_dir="unused",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=B,
+        num_generations=2,
+        use_vllm=True,
+    )
     return GRPOConfig(**{**base, **fields})
 
 
@@ -102,17 +109,28 @@ def rollout(dtype=torch.float64, seed=0):
     return dict(
         mask=(torch.arange(T) < torch.tensor(LENGTHS)[:, None]).long(),  # TRL's completion_mask is int64
         logps=old + noise(0.4),  # ratios well outside [0.8, 1.28] and beyond delta
-        old=old, ref=old + noise(0.3), sampling=sampling, entropies=entropies,
+        old=old,
+        ref=old + noise(0.3),
+        sampling=sampling,
+        entropies=entropies,
         advantages=torch.tensor(ADVANTAGES, dtype=dtype),
     )
 
 
 def loss_fields(loss_type, level, delta, beta, bias_correction, is_mode, quantile, **extra):
     """GRPOConfig fields of one combination; cispo's epsilon_high is its cap on the ratio, so > 1."""
-    fields = dict(loss_type=loss_type, importance_sampling_level=level, delta=delta, beta=beta,
-                  use_bias_correction_kl=bias_correction, top_entropy_quantile=quantile, epsilon=0.2,
-                  epsilon_high=1.3 if loss_type == "cispo" else 0.28, steps_per_generation=2,
-                  vllm_importance_sampling_correction=is_mode is not None)
+    fields = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        delta=delta,
+        beta=beta,
+        use_bias_correction_kl=bias_correction,
+        top_entropy_quantile=quantile,
+        epsilon=0.2,
+        epsilon_high=1.3 if loss_type == "cispo" else 0.28,
+        steps_per_generation=2,
+        vllm_importance_sampling_correction=is_mode is not None,
+    )
     if is_mode is not None:
         fields.update(vllm_importance_sampling_mode=is_mode, **IS_CLIP)
     return {**fields, **extra}
@@ -125,15 +143,26 @@ def both_losses(config, data, accelerator=None, gradient_accumulation_steps=1, n
     ratio = None
     if settings.vllm_importance_sampling_correction:
         ratio, _ = vllm_importance_sampling_ratio(
-            data["old"], data["sampling"], mask, settings.vllm_importance_sampling_mode,
-            settings.vllm_importance_sampling_clip_min, settings.vllm_importance_sampling_clip_max)
+            data["old"],
+            data["sampling"],
+            mask,
+            settings.vllm_importance_sampling_mode,
+            settings.vllm_importance_sampling_clip_min,
+            settings.vllm_importance_sampling_clip_max,
+        )
     num_items = mask.sum() + OTHER_MINIBATCH_TOKENS
 
     theirs_logps = data["logps"].clone().requires_grad_()
     trainer = trl_trainer(config, theirs_logps, data["entropies"], accelerator, gradient_accumulation_steps)
-    inputs = dict(prompt_ids=torch.ones(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
-                  completion_ids=torch.ones(B, T, dtype=torch.long), completion_mask=mask,
-                  advantages=data["advantages"], old_per_token_logps=data["old"], num_items_in_batch=num_items)
+    inputs = dict(
+        prompt_ids=torch.ones(B, 1, dtype=torch.long),
+        prompt_mask=torch.ones(B, 1, dtype=torch.long),
+        completion_ids=torch.ones(B, T, dtype=torch.long),
+        completion_mask=mask,
+        advantages=data["advantages"],
+        old_per_token_logps=data["old"],
+        num_items_in_batch=num_items,
+    )
     if settings.beta != 0.0:
         inputs["ref_per_token_logps"] = data["ref"]
     if ratio is not None:
@@ -146,9 +175,16 @@ def both_losses(config, data, accelerator=None, gradient_accumulation_steps=1, n
     if settings.top_entropy_quantile < 1.0:
         entropy_mask = high_entropy_mask(data["entropies"], mask, settings.top_entropy_quantile)
     ours, stats = grpo_loss(
-        ours_logps, data["old"], data["advantages"], mask, settings,
-        ref_per_token_logps=data["ref"] if settings.beta != 0.0 else None, importance_sampling_ratio=ratio,
-        entropy_mask=entropy_mask, num_items_in_batch=num_items if settings.loss_type in ("dapo", "cispo") else None)
+        ours_logps,
+        data["old"],
+        data["advantages"],
+        mask,
+        settings,
+        ref_per_token_logps=data["ref"] if settings.beta != 0.0 else None,
+        importance_sampling_ratio=ratio,
+        entropy_mask=entropy_mask,
+        num_items_in_batch=num_items if settings.loss_type in ("dapo", "cispo") else None,
+    )
     (ours_grad,) = torch.autograd.grad(ours, ours_logps)
     return (theirs, theirs_grad, trainer._metrics["train"]), (ours, ours_grad, stats)
 
@@ -172,9 +208,16 @@ def trl_metrics_from_stats(stats):
 # 1. loss, gradient and metrics: every supported combination
 # ----------------------------------------------------------------------------------------------------------
 
-COMBINATIONS = list(itertools.product(
-    LOSS_TYPES, ["token", "sequence"], [None, 1.5], [(0.0, True), (0.04, True), (0.04, False)],
-    [None, *IS_MODES], [1.0, 0.2]))
+COMBINATIONS = list(
+    itertools.product(
+        LOSS_TYPES,
+        ["token", "sequence"],
+        [None, 1.5],
+        [(0.0, True), (0.04, True), (0.04, False)],
+        [None, *IS_MODES],
+        [1.0, 0.2],
+    )
+)
 
 
 @pytest.mark.parametrize("loss_type, level, delta, kl, is_mode, quantile", COMBINATIONS)
@@ -196,8 +239,9 @@ def test_loss_gradient_and_metrics_equal_trl(loss_type, level, delta, kl, is_mod
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_float32_with_trl_defaults_equal_trl(loss_type, level):
     """TRL's defaults elsewhere: vLLM correction sequence_mask with clip_max 3, beta 0, no entropy mask."""
-    config = trl_config(loss_type=loss_type, importance_sampling_level=level,
-                        epsilon_high=5.0 if loss_type == "cispo" else None)
+    config = trl_config(
+        loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0 if loss_type == "cispo" else None
+    )
     (theirs, theirs_grad, _), (ours, ours_grad, _) = both_losses(config, rollout(torch.float32, seed=1))
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
@@ -205,15 +249,27 @@ def test_float32_with_trl_defaults_equal_trl(loss_type, level):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("num_processes, gradient_accumulation_steps, steps_per_generation",
-                         [(1, 1, 1), (4, 1, 4), (2, 2, 4), (8, 1, 2)])
+@pytest.mark.parametrize(
+    "num_processes, gradient_accumulation_steps, steps_per_generation", [(1, 1, 1), (4, 1, 4), (2, 2, 4), (8, 1, 2)]
+)
 def test_normalisers_equal_trl(loss_type, num_processes, gradient_accumulation_steps, steps_per_generation):
     """Every process count, accumulation and mini-batch split feeds TRL's normaliser as it feeds ours."""
-    config = trl_config(**loss_fields(loss_type, "token", None, 0.04, True, "token_truncate", 1.0,
-                                      gradient_accumulation_steps=gradient_accumulation_steps,
-                                      steps_per_generation=steps_per_generation))
+    config = trl_config(
+        **loss_fields(
+            loss_type,
+            "token",
+            None,
+            0.04,
+            True,
+            "token_truncate",
+            1.0,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            steps_per_generation=steps_per_generation,
+        )
+    )
     (theirs, theirs_grad, _), (ours, ours_grad, _) = both_losses(
-        config, rollout(seed=2), AcceleratorStub(num_processes), gradient_accumulation_steps, num_processes)
+        config, rollout(seed=2), AcceleratorStub(num_processes), gradient_accumulation_steps, num_processes
+    )
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-12, atol=1e-14)
 
@@ -239,9 +295,16 @@ def test_the_data_reaches_every_branch():
     negative = (data["advantages"][:, None] < 0).expand(B, T)[mask.bool()]
     assert (ratio < 0.8).any() and (ratio > 1.28).any() and (ratio[negative] > 1.5).any()  # both clips, delta
     for mode in IS_MODES:
-        weights, _ = vllm_importance_sampling_ratio(data["old"], data["sampling"], mask, mode, **{
-            "clip_min": IS_CLIP["vllm_importance_sampling_clip_min"],
-            "clip_max": IS_CLIP["vllm_importance_sampling_clip_max"]})
+        weights, _ = vllm_importance_sampling_ratio(
+            data["old"],
+            data["sampling"],
+            mask,
+            mode,
+            **{
+                "clip_min": IS_CLIP["vllm_importance_sampling_clip_min"],
+                "clip_max": IS_CLIP["vllm_importance_sampling_clip_max"],
+            },
+        )
         kept = weights[mask.bool()] if mode.startswith("token") else weights[torch.tensor(LENGTHS) > 0]
         assert (kept != 1).any() and (kept != 0).any(), mode
         if mode.endswith("mask"):
@@ -250,13 +313,33 @@ def test_the_data_reaches_every_branch():
     assert 0 < entropy_mask.sum() < mask.sum()
 
     def loss_of(**fields):
-        config = trl_config(**loss_fields(**{**dict(loss_type="grpo", level="token", delta=None, beta=0.0,
-                                                    bias_correction=True, is_mode=None, quantile=1.0), **fields}))
+        config = trl_config(
+            **loss_fields(
+                **{
+                    **dict(
+                        loss_type="grpo",
+                        level="token",
+                        delta=None,
+                        beta=0.0,
+                        bias_correction=True,
+                        is_mode=None,
+                        quantile=1.0,
+                    ),
+                    **fields,
+                }
+            )
+        )
         return both_losses(config, data)[1][0].item()
 
     plain = loss_of()
-    for change in [dict(level="sequence"), dict(delta=1.5), dict(beta=0.04), dict(quantile=0.2),
-                   *(dict(is_mode=mode) for mode in IS_MODES), *(dict(loss_type=t) for t in LOSS_TYPES[1:])]:
+    for change in [
+        dict(level="sequence"),
+        dict(delta=1.5),
+        dict(beta=0.04),
+        dict(quantile=0.2),
+        *(dict(is_mode=mode) for mode in IS_MODES),
+        *(dict(loss_type=t) for t in LOSS_TYPES[1:]),
+    ]:
         assert loss_of(**change) != pytest.approx(plain, rel=1e-9), change
     assert loss_of(beta=0.04, bias_correction=False) != pytest.approx(loss_of(beta=0.04), rel=1e-9)
 
@@ -274,10 +357,13 @@ def trl_if_block(method, anchor: str) -> str:
         return len(line) - len(line.lstrip())
 
     at = next(i for i, line in enumerate(lines) if anchor in line)
-    start = next(i for i in range(at, -1, -1)
-                 if lines[i].lstrip().startswith("if ") and indent(lines[i]) < indent(lines[at]))
-    end = next((i for i in range(start + 1, len(lines))
-                if lines[i].strip() and indent(lines[i]) <= indent(lines[start])), len(lines))
+    start = next(
+        i for i in range(at, -1, -1) if lines[i].lstrip().startswith("if ") and indent(lines[i]) < indent(lines[at])
+    )
+    end = next(
+        (i for i in range(start + 1, len(lines)) if lines[i].strip() and indent(lines[i]) <= indent(lines[start])),
+        len(lines),
+    )
     assert lines[start].strip() == "if self.use_vllm and self.vllm_importance_sampling_correction:", lines[start]
     return textwrap.dedent("\n".join(lines[start:end]))
 
@@ -288,12 +374,23 @@ def trl_vllm_importance_sampling(config, old, sampling, mask):
     ratio_code = trl_if_block(method, "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps)")
     metrics_code = trl_if_block(method, "delta = torch.abs(old_per_token_logps - sampling_per_token_logps)")
     trainer = trl_trainer(config)
-    scope = dict(torch=torch, math=math, nanmin=nanmin, nanmax=nanmax, self=trainer, completion_mask=mask,
-                 tool_mask=None, old_per_token_logps=old, sampling_per_token_logps=sampling,
-                 device=old.device, mode="train")
+    scope = dict(
+        torch=torch,
+        math=math,
+        nanmin=nanmin,
+        nanmax=nanmax,
+        self=trainer,
+        completion_mask=mask,
+        tool_mask=None,
+        old_per_token_logps=old,
+        sampling_per_token_logps=sampling,
+        device=old.device,
+        mode="train",
+    )
     exec(ratio_code + "\n" + metrics_code, scope)
     return scope["vllm_importance_sampling_ratio"], {
-        name.removeprefix("sampling/"): values[0] for name, values in trainer._metrics["train"].items()}
+        name.removeprefix("sampling/"): values[0] for name, values in trainer._metrics["train"].items()
+    }
 
 
 @pytest.mark.parametrize("mode", IS_MODES)
@@ -302,23 +399,31 @@ def trl_vllm_importance_sampling(config, old, sampling, mask):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_vllm_importance_sampling_ratio_equals_trl(mode, clip_min, clip_max, dtype):
     data = rollout(dtype, seed=3)
-    config = trl_config(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
-                        vllm_importance_sampling_clip_max=clip_max)
+    config = trl_config(
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+    )
     theirs, metrics = trl_vllm_importance_sampling(config, data["old"], data["sampling"], data["mask"])
-    ours, stats = vllm_importance_sampling_ratio(data["old"], data["sampling"], data["mask"], mode,
-                                                 clip_min, clip_max)
+    ours, stats = vllm_importance_sampling_ratio(data["old"], data["sampling"], data["mask"], mode, clip_min, clip_max)
     assert ours.shape == ((B, T) if mode.startswith("token") else (B, 1))
     assert torch.equal(ours, theirs)
     assert not ours.isnan().any()  # the NaN sampling log-prob counts as ratio 1
-    assert set(metrics) == {"importance_sampling_ratio/min", "importance_sampling_ratio/mean",
-                            "importance_sampling_ratio/max", "sampling_logp_difference/mean",
-                            "sampling_logp_difference/max"}
+    assert set(metrics) == {
+        "importance_sampling_ratio/min",
+        "importance_sampling_ratio/mean",
+        "importance_sampling_ratio/max",
+        "sampling_logp_difference/mean",
+        "sampling_logp_difference/max",
+    }
     assert float(stats["vllm_ratio_min"]) == pytest.approx(metrics["importance_sampling_ratio/min"], rel=1e-6)
     assert float(stats["vllm_ratio_max"]) == pytest.approx(metrics["importance_sampling_ratio/max"], rel=1e-6)
     assert float(stats["vllm_ratio_sum"] / stats["vllm_ratio_count"]) == pytest.approx(
-        metrics["importance_sampling_ratio/mean"], rel=1e-6)
+        metrics["importance_sampling_ratio/mean"], rel=1e-6
+    )
     assert float(stats["vllm_logp_diff_sum"] / stats["vllm_logp_diff_count"]) == pytest.approx(
-        metrics["sampling_logp_difference/mean"], rel=1e-6)
+        metrics["sampling_logp_difference/mean"], rel=1e-6
+    )
     assert float(stats["vllm_logp_diff_max"]) == pytest.approx(metrics["sampling_logp_difference/max"], rel=1e-6)
 
 
@@ -391,16 +496,29 @@ def test_settings_from_the_recipe_config():
 
     recipe = RecipeConfig()
     settings = LossSettings.from_config(recipe, num_processes=2)
-    assert (settings.loss_type, settings.epsilon, settings.beta, settings.steps_per_generation,
-            settings.max_completion_length, settings.num_processes) == (
-        recipe.loss_type, recipe.epsilon, recipe.beta, recipe.steps_per_generation, recipe.max_completion_length, 2)
+    assert (
+        settings.loss_type,
+        settings.epsilon,
+        settings.beta,
+        settings.steps_per_generation,
+        settings.max_completion_length,
+        settings.num_processes,
+    ) == (recipe.loss_type, recipe.epsilon, recipe.beta, recipe.steps_per_generation, recipe.max_completion_length, 2)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("loss_type", "vespo"), ("loss_type", "ppo"), ("importance_sampling_level", "seq"),
-    ("vllm_importance_sampling_mode", "token"), ("off_policy_mask_threshold", 0.5), ("entropy_coef", 0.01),
-    ("use_adaptive_entropy", True), ("top_entropy_quantile", 1.5),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("loss_type", "vespo"),
+        ("loss_type", "ppo"),
+        ("importance_sampling_level", "seq"),
+        ("vllm_importance_sampling_mode", "token"),
+        ("off_policy_mask_threshold", 0.5),
+        ("entropy_coef", 0.01),
+        ("use_adaptive_entropy", True),
+        ("top_entropy_quantile", 1.5),
+    ],
+)
 def test_unsupported_trl_options_are_refused_by_name(field, value):
     config = trl_config(**{field: value})  # TRL itself accepts each of these
     with pytest.raises(ValueError, match=rf"{field}={value!r}"):
@@ -413,42 +531,69 @@ def test_unsupported_trl_options_are_refused_by_name(field, value):
 
 
 def test_unusable_vllm_clip_bounds_are_refused_by_name():
-    both_unset = SimpleNamespace(vllm_importance_sampling_correction=True,
-                                 vllm_importance_sampling_mode="token_truncate",
-                                 vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=None)
+    both_unset = SimpleNamespace(
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=None,
+        vllm_importance_sampling_clip_max=None,
+    )
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode='token_truncate'"):
         check_supported(both_unset)
     with pytest.raises(ValueError, match="vllm_importance_sampling_clip_min=2.0"):
         LossSettings(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=2.0)
-    LossSettings(vllm_importance_sampling_correction=False, vllm_importance_sampling_clip_min=2.0,
-                 vllm_importance_sampling_clip_max=2.0)  # unused bounds are not checked
+    LossSettings(
+        vllm_importance_sampling_correction=False,
+        vllm_importance_sampling_clip_min=2.0,
+        vllm_importance_sampling_clip_max=2.0,
+    )  # unused bounds are not checked
 
 
 def test_supported_options_pass():
     for loss_type, level, mode in itertools.product(LOSS_TYPES, ["token", "sequence"], IS_MODES):
-        check_supported(trl_config(loss_type=loss_type, importance_sampling_level=level,
-                                   vllm_importance_sampling_mode=mode, top_entropy_quantile=0.2))
+        check_supported(
+            trl_config(
+                loss_type=loss_type,
+                importance_sampling_level=level,
+                vllm_importance_sampling_mode=mode,
+                top_entropy_quantile=0.2,
+            )
+        )
 
 
-@pytest.mark.parametrize("settings, missing", [
-    (LossSettings(loss_type="grpo", beta=0.04, vllm_importance_sampling_correction=False), "ref_per_token_logps"),
-    (LossSettings(loss_type="grpo"), "importance_sampling_ratio"),
-    (LossSettings(loss_type="grpo", top_entropy_quantile=0.2, vllm_importance_sampling_correction=False),
-     "entropy_mask"),
-    (LossSettings(vllm_importance_sampling_correction=False), "num_items_in_batch"),
-])
+@pytest.mark.parametrize(
+    "settings, missing",
+    [
+        (LossSettings(loss_type="grpo", beta=0.04, vllm_importance_sampling_correction=False), "ref_per_token_logps"),
+        (LossSettings(loss_type="grpo"), "importance_sampling_ratio"),
+        (
+            LossSettings(loss_type="grpo", top_entropy_quantile=0.2, vllm_importance_sampling_correction=False),
+            "entropy_mask",
+        ),
+        (LossSettings(vllm_importance_sampling_correction=False), "num_items_in_batch"),
+    ],
+)
 def test_missing_inputs_are_refused_by_name(settings, missing):
     data = rollout()
     with pytest.raises(ValueError, match=f"{missing} is required"):
-        grpo_loss(data["logps"], data["old"], data["advantages"], data["mask"], settings,
-                  num_items_in_batch=10 if missing != "num_items_in_batch" else None)
+        grpo_loss(
+            data["logps"],
+            data["old"],
+            data["advantages"],
+            data["mask"],
+            settings,
+            num_items_in_batch=10 if missing != "num_items_in_batch" else None,
+        )
 
 
 def test_ignored_inputs_are_refused_by_name():
     data = rollout()
     settings = LossSettings(loss_type="grpo", vllm_importance_sampling_correction=False)
-    for name, value in [("ref_per_token_logps", data["ref"]), ("importance_sampling_ratio", torch.ones(B, 1)),
-                        ("entropy_mask", data["mask"].bool()), ("num_items_in_batch", 10)]:
+    for name, value in [
+        ("ref_per_token_logps", data["ref"]),
+        ("importance_sampling_ratio", torch.ones(B, 1)),
+        ("entropy_mask", data["mask"].bool()),
+        ("num_items_in_batch", 10),
+    ]:
         with pytest.raises(ValueError, match=f"{name} was given"):
             grpo_loss(data["logps"], data["old"], data["advantages"], data["mask"], settings, **{name: value})
 
@@ -457,15 +602,28 @@ def test_ignored_inputs_are_refused_by_name():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_stats_of_two_mini_batches_add_up_to_the_whole_batch(loss_type, level):
     data = rollout(seed=8)
-    settings = LossSettings(loss_type=loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28,
-                            vllm_importance_sampling_correction=False, top_entropy_quantile=0.5)
+    settings = LossSettings(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        epsilon_high=0.28,
+        vllm_importance_sampling_correction=False,
+        top_entropy_quantile=0.5,
+    )
 
     def stats_of(rows):
         part = {name: value[rows] for name, value in data.items()}
         entropy_mask = high_entropy_mask(data["entropies"], data["mask"], 0.5)[rows]  # one rollout-wide mask
-        return grpo_loss(part["logps"], part["old"], part["advantages"], part["mask"], settings,
-                         ref_per_token_logps=part["ref"], entropy_mask=entropy_mask,
-                         num_items_in_batch=100 if loss_type in ("dapo", "cispo") else None)[1]
+        return grpo_loss(
+            part["logps"],
+            part["old"],
+            part["advantages"],
+            part["mask"],
+            settings,
+            ref_per_token_logps=part["ref"],
+            entropy_mask=entropy_mask,
+            num_items_in_batch=100 if loss_type in ("dapo", "cispo") else None,
+        )[1]
 
     whole = stats_of(slice(None))
     total = accumulate_stats(accumulate_stats({}, stats_of(slice(0, 2))), stats_of(slice(2, None)))
@@ -479,4 +637,8 @@ def test_stats_of_two_mini_batches_add_up_to_the_whole_batch(loss_type, level):
 
 def test_reduce_op_follows_the_suffix():
     assert [reduce_op(n) for n in ["ratio_min", "clip_high_seq_fraction_max", "tokens", "kl_sum"]] == [
-        "min", "max", "sum", "sum"]
+        "min",
+        "max",
+        "sum",
+        "sum",
+    ]

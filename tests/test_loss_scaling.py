@@ -58,8 +58,15 @@ def test_disabled_scaling_is_the_identity():
 
 
 def test_a_merged_weight_that_overflows_fp16_stops_the_sync_naming_it():
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     torch.manual_seed(0)
     model = get_peft_model(Qwen3ForCausalLM(config).half(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     layer = model.base_model.model.model.layers[1].self_attn.q_proj
@@ -69,7 +76,7 @@ def test_a_merged_weight_that_overflows_fp16_stops_the_sync_naming_it():
         layer.lora_B["default"].weight.fill_(100.0)  # ... but W + 2 * B @ A is not
     pushed = []
     with pytest.raises(NonFiniteError, match=r"merged model\.layers\.1\.self_attn\.q_proj\.weight \(float16\) holds"):
-        for name, tensor in finite_or_stop(merged_lora_params(model, dtype=torch.float16)):
+        for name, _ in finite_or_stop(merged_lora_params(model, dtype=torch.float16)):
             pushed.append(name)
     assert "model.layers.0.self_attn.q_proj.weight" in pushed  # the layers before it went through
     assert layer.base_layer.weight[0, 0] == 65000.0  # the trainer's weights are untouched

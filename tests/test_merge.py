@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-
-from merge import MergePrecisionStats, UnsupportedAdapterError, merged_lora_params, normalize_peft_param_name
 from qwen3_lora import tiny_lora, tiny_qwen3
 from qwen3_moe_lora import tiny_moe_lora
 from torchrun import torchrun
+
+from merge import MergePrecisionStats, UnsupportedAdapterError, merged_lora_params, normalize_peft_param_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,8 +40,9 @@ def test_matches_merge_and_unload(dtype):
             assert torch.equal(tensor, expected[name]), name  # bf16: bit-exact, computed as peft computes it
     # merging changed the targeted weights, and only the copy: the trainer's parameters are bitwise unchanged
     base = model.get_base_model()
-    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
-                           base.model.layers[0].self_attn.q_proj.base_layer.weight)
+    assert not torch.equal(
+        got["model.layers.0.self_attn.q_proj.weight"], base.model.layers[0].self_attn.q_proj.base_layer.weight
+    )
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
@@ -82,20 +83,27 @@ def test_lora_on_embeddings():
     got = dict(merged_lora_params(model))
     assert set(got) == set(expected) and "lm_head.weight" in got
     assert (got["model.embed_tokens.weight"] - expected["model.embed_tokens.weight"]).abs().max() <= 1e-6
-    assert not torch.equal(got["model.embed_tokens.weight"],
-                           model.get_base_model().model.embed_tokens.base_layer.weight)
+    assert not torch.equal(
+        got["model.embed_tokens.weight"], model.get_base_model().model.embed_tokens.base_layer.weight
+    )
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", "model.layers.0.self_attn.q_proj.weight"),
-    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", None),
-    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight", None),
-    ("base_model.model.model.embed_tokens.lora_embedding_A.default", None),
-    ("base_model.model.model.norm.modules_to_save.default.weight", "model.norm.weight"),
-    ("base_model.model.model.norm.original_module.weight", None),
-    ("base_model.model.lm_head.weight", "lm_head.weight"),
-    ("model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", None),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight", None),
+        ("base_model.model.model.embed_tokens.lora_embedding_A.default", None),
+        ("base_model.model.model.norm.modules_to_save.default.weight", "model.norm.weight"),
+        ("base_model.model.model.norm.original_module.weight", None),
+        ("base_model.model.lm_head.weight", "lm_head.weight"),
+        ("model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
+    ],
+)
 def test_normalize_peft_param_name(name, expected):
     assert normalize_peft_param_name(name) == expected
 
@@ -123,8 +131,9 @@ def merged_with_stats(model, dtype=torch.bfloat16) -> tuple[dict[str, torch.Tens
     return dict(merged_lora_params(model, dtype=dtype, precision_stats=stats)), stats
 
 
-@pytest.mark.parametrize("model_dtype, adapter_autocast", [
-    (torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])  # bf16 factors: Δ recomputed in fp32
+@pytest.mark.parametrize(
+    "model_dtype, adapter_autocast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
+)  # bf16 factors: Δ recomputed in fp32
 def test_precision_stats_leave_the_output_alone_and_match_a_direct_computation(model_dtype, adapter_autocast):
     model = tiny_lora(dtype=model_dtype, autocast_adapter_dtype=adapter_autocast)
     with_stats, stats = merged_with_stats(model)
@@ -172,8 +181,9 @@ def grid_case(model_dtype, delta: float, adapter_autocast: bool = True):
     return model
 
 
-@pytest.mark.parametrize("model_dtype, adapter_autocast", [
-    (torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize(
+    "model_dtype, adapter_autocast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
 def test_precision_stats_constructed_cases(model_dtype, adapter_autocast):
     # |Δ| = 1/4 ulp of W everywhere: every entry rounds back to W, nothing of the update survives
     _, quarter = merged_with_stats(grid_case(model_dtype, 2.0**-9, adapter_autocast))

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from qwen3_lora import tiny_lora
+from qwen3_moe_lora import EXPERTS, tiny_moe_lora, tiny_qwen3_moe
 from safetensors.torch import load_file
+from torchrun import WORKER_ENV, torchrun
 
 from merge import merged_lora_params
 from merge.vllm_compat import has_fused_experts, vllm_unservable_lora_targets
-from qwen3_lora import tiny_lora
-from qwen3_moe_lora import EXPERTS, tiny_moe_lora, tiny_qwen3_moe
-from torchrun import WORKER_ENV, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = {  # name: (base dtype, peft's autocast_adapter_dtype)
@@ -68,10 +68,12 @@ def test_matches_saved_merge_and_unload(targets, precision, tmp_path):
     assert_same(got, expected)
     assert "model.layers.1.mlp.experts.7.up_proj.weight" in got and "lm_head.weight" not in got  # per expert; tied
     base = model.get_base_model().model.layers[0]
-    experts_changed = not torch.equal(got["model.layers.0.mlp.experts.3.down_proj.weight"],
-                                      unwrapped(base.mlp.experts).down_proj[3].to(dtype))
-    attention_changed = not torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
-                                        unwrapped(base.self_attn.q_proj).weight)
+    experts_changed = not torch.equal(
+        got["model.layers.0.mlp.experts.3.down_proj.weight"], unwrapped(base.mlp.experts).down_proj[3].to(dtype)
+    )
+    attention_changed = not torch.equal(
+        got["model.layers.0.self_attn.q_proj.weight"], unwrapped(base.self_attn.q_proj).weight
+    )
     assert (experts_changed, attention_changed) == (targets != "attention", targets != "experts")
     assert torch.equal(got["model.layers.0.mlp.gate.weight"], base.mlp.gate.weight)  # the router: not targeted
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # the trainer: bitwise unchanged
@@ -93,16 +95,19 @@ def test_fused_layout_is_gate_then_up_without_transpose():
 
 
 def test_router_merged_when_targeted(tmp_path):
-    model = get_peft_model(tiny_qwen3_moe(), LoraConfig(r=4, lora_alpha=8, target_modules=[],
-                                                        target_parameters=["mlp.gate.weight", *EXPERTS]))
+    model = get_peft_model(
+        tiny_qwen3_moe(),
+        LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["mlp.gate.weight", *EXPERTS]),
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.1)
     got = merged(model)
     assert_same(got, saved_merge(model, tmp_path))
-    assert not torch.equal(got["model.layers.0.mlp.gate.weight"],
-                           unwrapped(model.get_base_model().model.layers[0].mlp.gate).weight)
+    assert not torch.equal(
+        got["model.layers.0.mlp.gate.weight"], unwrapped(model.get_base_model().model.layers[0].mlp.gate).weight
+    )
 
 
 def test_dtype_cast():
@@ -133,9 +138,13 @@ def test_vllm_serves_the_merged_moe(tmp_path):
 
     See tests/vllm_moe_push_worker.py for what is measured."""
     out = tmp_path / "errors.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_moe_push_worker.py"), str(out)],
-                          env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_moe_push_worker.py"), str(out)],
+        env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     errors = json.loads(out.read_text())
     print(errors)

@@ -86,8 +86,15 @@ def naive_no_padding_2_padding(values, attention_mask, response_mask):
 def tiny_qwen3(attn="sdpa", seed=0, layers=2):
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation=attn,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        attn_implementation=attn,
         dtype=torch.float32,
     )
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
@@ -122,12 +129,8 @@ MODEL_PROMPTS, MODEL_RESPONSES = [5, 1, 7, 3, 2], [4, 6, 1, 0, 5]
 
 def test_unpad_left_padding_only_by_hand():
     # P = 3, R = 2, every response full length
-    ids = torch.tensor([[0, 11, 12, 13, 14],
-                        [21, 22, 23, 24, 25],
-                        [0, 0, 31, 32, 33]])
-    mask = torch.tensor([[0, 1, 1, 1, 1],
-                         [1, 1, 1, 1, 1],
-                         [0, 0, 1, 1, 1]])
+    ids = torch.tensor([[0, 11, 12, 13, 14], [21, 22, 23, 24, 25], [0, 0, 31, 32, 33]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     response_mask = mask[:, 3:].clone()
     packed = unpad(ids, mask)
     assert isinstance(packed, PackedBatch)
@@ -146,12 +149,8 @@ def test_unpad_left_padding_only_by_hand():
 
 def test_unpad_right_padding_only_by_hand():
     # P = 2, R = 3, every prompt full length
-    ids = torch.tensor([[11, 12, 13, 0, 0],
-                        [21, 22, 23, 24, 25],
-                        [31, 32, 33, 34, 0]])
-    mask = torch.tensor([[1, 1, 1, 0, 0],
-                         [1, 1, 1, 1, 1],
-                         [1, 1, 1, 1, 0]])
+    ids = torch.tensor([[11, 12, 13, 0, 0], [21, 22, 23, 24, 25], [31, 32, 33, 34, 0]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
     response_mask = mask[:, 2:].clone()
     packed = unpad(ids, mask)
     assert packed.input_ids.tolist() == [11, 12, 13, 21, 22, 23, 24, 25, 31, 32, 33, 34]
@@ -162,15 +161,16 @@ def test_unpad_right_padding_only_by_hand():
     # sample 0: start 0 -> 1 ; sample 1: start 3 -> 4, 5, 6 ; sample 2: start 8 -> 9, 10
     assert no_padding_2_padding(values, mask, response_mask).tolist() == [[1, 0, 0], [4, 5, 6], [9, 10, 0]]
     # here (full prompts) the legacy rule happens to agree
-    assert torch.equal(legacy_slice_response(values, mask, response_mask), no_padding_2_padding(values, mask, response_mask))
+    assert torch.equal(
+        legacy_slice_response(values, mask, response_mask), no_padding_2_padding(values, mask, response_mask)
+    )
 
 
 def test_unpad_left_and_right_padding_by_hand():
     # P = 3, R = 3
-    ids = torch.tensor([[0, 0, 11, 12, 13, 0],
-                        [21, 22, 23, 24, 0, 0],
-                        [0, 31, 32, 33, 34, 35],
-                        [0, 0, 41, 0, 0, 0]])  # last sample: prompt only, empty response
+    ids = torch.tensor(
+        [[0, 0, 11, 12, 13, 0], [21, 22, 23, 24, 0, 0], [0, 31, 32, 33, 34, 35], [0, 0, 41, 0, 0, 0]]
+    )  # last sample: prompt only, empty response
     mask = (ids != 0).long()
     response_mask = mask[:, 3:].clone()
     packed = unpad(ids, mask)
@@ -179,10 +179,12 @@ def test_unpad_left_and_right_padding_by_hand():
     assert packed.cu_seqlens.tolist() == [0, 3, 7, 12, 13]
     assert packed.indices.tolist() == [2, 3, 4, 6, 7, 8, 9, 13, 14, 15, 16, 17, 20]
     values = torch.arange(13, dtype=torch.float32)
-    expected = [[0, 1, 0],      # start 0, prompt 1
-                [5, 0, 0],      # start 3, prompt 3
-                [8, 9, 10],     # start 7, prompt 2
-                [0, 0, 0]]      # no response
+    expected = [
+        [0, 1, 0],  # start 0, prompt 1
+        [5, 0, 0],  # start 3, prompt 3
+        [8, 9, 10],  # start 7, prompt 2
+        [0, 0, 0],
+    ]  # no response
     got = no_padding_2_padding(values, mask, response_mask)
     assert got.tolist() == expected
     assert torch.equal(got, expected_packed_index([1, 3, 2, 1], [2, 1, 3, 0], 3))
@@ -192,11 +194,14 @@ def test_unpad_left_and_right_padding_by_hand():
     assert legacy_slice_response(values, mask, response_mask).tolist() == [[2, 0, 0], [5, 0, 0], [9, 10, 11], [0, 0, 0]]
 
 
-@pytest.mark.parametrize("prompts, responses", [
-    ([3, 1, 2], [4, 4, 4]),  # left padding only
-    ([3, 3, 3], [1, 4, 2]),  # right padding only
-    ([3, 1, 2], [1, 4, 2]),  # both
-])
+@pytest.mark.parametrize(
+    "prompts, responses",
+    [
+        ([3, 1, 2], [4, 4, 4]),  # left padding only
+        ([3, 3, 3], [1, 4, 2]),  # right padding only
+        ([3, 1, 2], [1, 4, 2]),  # both
+    ],
+)
 @pytest.mark.parametrize("mask_dtype", [torch.long, torch.bool, torch.int32])
 def test_layouts_against_the_formula(prompts, responses, mask_dtype):
     ids, mask, response_mask = layout(prompts, responses, mask_dtype=mask_dtype)
@@ -311,7 +316,9 @@ def test_no_padding_2_padding_matches_a_per_sample_loop(batch, trailing, seed):
 def test_legacy_slice_is_right_when_everything_is_full_length(size, width_p, width_r, seed):
     ids, mask, response_mask = layout([width_p] * size, [width_r] * size, seed=seed)
     values = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(seed))
-    assert torch.equal(legacy_slice_response(values, mask, response_mask), no_padding_2_padding(values, mask, response_mask))
+    assert torch.equal(
+        legacy_slice_response(values, mask, response_mask), no_padding_2_padding(values, mask, response_mask)
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -427,9 +434,10 @@ def test_packed_sdpa_leaves_padded_batches_and_cached_decoding_to_sdpa(monkeypat
     width_p = max(MODEL_PROMPTS)
     for rows in ([2], [0, 1, 2]):  # greedy decoding with a KV cache: one prompt, then left-padded prompts
         prompts, prompt_mask = ids[rows, :width_p], mask[rows, :width_p]
-        generated = {name: model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False,
-                                          pad_token_id=0)
-                     for name, model in (("packed_sdpa", packed_model), ("sdpa", sdpa_model))}
+        generated = {
+            name: model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            for name, model in (("packed_sdpa", packed_model), ("sdpa", sdpa_model))
+        }
         assert torch.equal(generated["packed_sdpa"], generated["sdpa"])
 
 
@@ -618,8 +626,13 @@ def test_gradients_flow_and_match_the_per_sequence_forward():
     packed_log_probs(model, ids, mask, response_mask, temperature=0.9).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     assert all(g is not None for g in grads.values())
-    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]:
+    for name in [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]:
         assert grads[name].abs().sum().item() > 0, name
     nonzero = sum(bool(g.abs().sum() > 0) for g in grads.values())
     assert nonzero == len(grads), [n for n, g in grads.items() if not g.abs().sum() > 0]
@@ -635,12 +648,12 @@ def test_gradients_flow_and_match_the_per_sequence_forward():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def full_logits_log_probs(model, ids, attention_mask, response_mask, temperature=1.0, legacy_slice=False,
-                          return_entropy=False):
+def full_logits_log_probs(
+    model, ids, attention_mask, response_mask, temperature=1.0, legacy_slice=False, return_entropy=False
+):
     """packed_log_probs without the chunked head: [T, V] logits at every packed position, then the mapping."""
     packed = unpad(ids, attention_mask)
-    logits = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
-                   use_cache=False).logits[0]
+    logits = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False).logits[0]
     if temperature != 1.0:
         logits = logits / temperature
     values = selective_log_softmax(logits, torch.roll(packed.input_ids, shifts=-1))
@@ -681,11 +694,14 @@ LAYOUTS = {  # name: (prompt lengths, response lengths, P, R)
 
 
 @pytest.mark.parametrize("legacy_slice", [False, True])
-@pytest.mark.parametrize("kind, layout_name", [
-    *(("dense", name) for name in LAYOUTS),
-    ("dense, LoRA on an untied lm_head", "ragged (left- and right-padded)"),
-    ("moe", "ragged (left- and right-padded)"),
-])
+@pytest.mark.parametrize(
+    "kind, layout_name",
+    [
+        *(("dense", name) for name in LAYOUTS),
+        ("dense, LoRA on an untied lm_head", "ragged (left- and right-padded)"),
+        ("moe", "ragged (left- and right-padded)"),
+    ],
+)
 def test_response_head_equals_the_full_logits_fp32(kind, legacy_slice, layout_name):
     """Log-probs, entropies and LoRA gradients of the chunked response-only head equal the full-logits path's."""
     prompts, responses, width_p, width_r = LAYOUTS[layout_name]
@@ -748,7 +764,9 @@ def test_the_lm_head_runs_on_response_positions_only_in_chunks():
     with torch.no_grad():
         packed_log_probs(model, ids, mask, response_mask)  # default chunk: all 16 at once; no recompute
         assert shapes == [(1, scored, vocab)]
-        packed_log_probs(model, ids, mask, response_mask, chunk_size=None)  # the full-logits path: every packed position
+        packed_log_probs(
+            model, ids, mask, response_mask, chunk_size=None
+        )  # the full-logits path: every packed position
         assert shapes[1:] == [(1, total, vocab)]
         legacy = response_mask.clone()
         shapes.clear()
@@ -898,10 +916,20 @@ def per_sample_attention_with_mask(module, query, key, value, attention_mask, dr
     bounds = packed_attention.packed_sample_bounds(kwargs.get("position_ids"), query.shape[2])
     assert bounds is not None and attention_mask is not None and attention_mask.shape[-2:] == (query.shape[2],) * 2
     kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
-    outputs = [packed_attention.sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                                       None, dropout=dropout, scaling=scaling, is_causal=True,
-                                                       **kwargs)[0]
-               for s, e in zip(bounds[:-1], bounds[1:])]
+    outputs = [
+        packed_attention.sdpa_attention_forward(
+            module,
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            **kwargs,
+        )[0]
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(outputs, dim=1), None
 
 
@@ -955,11 +983,16 @@ def test_the_mask_is_skipped_only_for_transformers_packed_row_predicate():
 
     packed = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 4, dtype=torch.long)))
     assert packed_attention.causal_within_packed_samples(packed)
-    assert packed_attention.packed_sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=packed,
-                                             allow_is_causal_skip=False) is None
+    assert (
+        packed_attention.packed_sdpa_mask(
+            batch_size=1, q_length=4, kv_length=4, mask_function=packed, allow_is_causal_skip=False
+        )
+        is None
+    )
     padded = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)  # with a 2-D mask: built as sdpa builds it
-    assert packed_attention.packed_sdpa_mask(batch_size=1, q_length=4, kv_length=4, mask_function=packed,
-                                             attention_mask=padded, allow_is_causal_skip=False).shape == (1, 1, 4, 4)
+    assert packed_attention.packed_sdpa_mask(
+        batch_size=1, q_length=4, kv_length=4, mask_function=packed, attention_mask=padded, allow_is_causal_skip=False
+    ).shape == (1, 1, 4, 4)
     extra = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 4)), causal_mask_function)
     for other in (causal_mask_function, extra, and_masks(causal_mask_function)):
         assert not packed_attention.causal_within_packed_samples(other)
@@ -969,8 +1002,9 @@ def fake_varlen_attn(calls):
     """torch.nn.attention.varlen.varlen_attn's contract (its docstring and FlashAttention's), run on the CPU:
     [T, H, D] rows, int32 cumulative bounds on the row's device, causal as window_size=(-1, 0), GQA by flag."""
 
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                    enable_gqa=False):
+    def varlen_attn(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
         assert query.dim() == 3 and key.shape[0] == query.shape[0] and query.is_contiguous() and key.is_contiguous()
         assert cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32 and cu_seq_q.device == query.device
         bounds = cu_seq_q.tolist()
@@ -978,9 +1012,17 @@ def fake_varlen_attn(calls):
         assert max_q == max_k == max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
         assert window_size == (-1, 0) and enable_gqa == (query.shape[1] != key.shape[1]) and scale is not None
         calls.append(len(bounds) - 1)
-        outputs = [torch.nn.functional.scaled_dot_product_attention(
-            query[s:e].transpose(0, 1), key[s:e].transpose(0, 1), value[s:e].transpose(0, 1), is_causal=True,
-            scale=scale, enable_gqa=enable_gqa).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])]
+        outputs = [
+            torch.nn.functional.scaled_dot_product_attention(
+                query[s:e].transpose(0, 1),
+                key[s:e].transpose(0, 1),
+                value[s:e].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            ).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])
+        ]
         return torch.cat(outputs)
 
     return varlen_attn
@@ -1011,9 +1053,12 @@ def test_varlen_is_chosen_only_where_torchs_kernel_runs(monkeypatch):
 
     monkeypatch.setattr(packed_attention, "_flash_capable", lambda device: True)
     for device_type, dtype, head_dim, dropout, want in [
-        ("cuda", torch.bfloat16, 128, 0.0, True), ("cuda", torch.float16, 256, 0.0, True),
-        ("cuda", torch.float32, 128, 0.0, False), ("cpu", torch.bfloat16, 128, 0.0, False),
-        ("cuda", torch.bfloat16, 512, 0.0, False), ("cuda", torch.bfloat16, 128, 0.1, False),
+        ("cuda", torch.bfloat16, 128, 0.0, True),
+        ("cuda", torch.float16, 256, 0.0, True),
+        ("cuda", torch.float32, 128, 0.0, False),
+        ("cpu", torch.bfloat16, 128, 0.0, False),
+        ("cuda", torch.bfloat16, 512, 0.0, False),
+        ("cuda", torch.bfloat16, 128, 0.1, False),
     ]:
         query, key = tensors(device_type, dtype, head_dim)
         assert packed_attention.varlen_usable(query, key, dropout) is want, (device_type, dtype, head_dim, dropout)

@@ -10,10 +10,10 @@ gradients.
 import time
 
 import torch
+from test_padding import full_logits_log_probs, layout
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from padding import packed_log_probs
-from test_padding import full_logits_log_probs, layout
 
 QWEN3_VOCAB = 151_936
 
@@ -38,8 +38,16 @@ def wide_vocab_lora(vocab=QWEN3_VOCAB):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     return with_random_lora(Qwen3ForCausalLM(config), rank=8, lora_b_std=0.1)
 
 
@@ -73,10 +81,12 @@ def test_no_full_vocabulary_logits_and_a_lower_peak():
             times.append(time.perf_counter() - start)
         results[name] = dict(largest=mode.largest, shape=mode.shape, peak=sorted(peaks)[1], time=min(times))
     old, new = results["full logits"], results["response head"]
-    print(f"T={total} N={scored} V={QWEN3_VOCAB}: largest tensor {old['largest'] / 2**20:.0f} MiB {old['shape']} -> "
-          f"{new['largest'] / 2**20:.0f} MiB {new['shape']}; peak RSS {old['peak'] / 2**20:.0f} -> "
-          f"{new['peak'] / 2**20:.0f} MiB; time {old['time'] * 1e3:.0f} -> {new['time'] * 1e3:.0f} ms "
-          f"({old['time'] / new['time']:.2f}x)")
+    print(
+        f"T={total} N={scored} V={QWEN3_VOCAB}: largest tensor {old['largest'] / 2**20:.0f} MiB {old['shape']} -> "
+        f"{new['largest'] / 2**20:.0f} MiB {new['shape']}; peak RSS {old['peak'] / 2**20:.0f} -> "
+        f"{new['peak'] / 2**20:.0f} MiB; time {old['time'] * 1e3:.0f} -> {new['time'] * 1e3:.0f} ms "
+        f"({old['time'] / new['time']:.2f}x)"
+    )
     assert old["largest"] == total * QWEN3_VOCAB * 4  # full logits: the [T, V] fp32 logits
     assert new["largest"] == scored * QWEN3_VOCAB * 4  # the one chunk of N = 64 response positions
     assert new["peak"] < 0.5 * old["peak"], (new["peak"], old["peak"])
@@ -94,18 +104,20 @@ def test_fsdp2_two_processes_give_the_full_logits_values_and_gradients(tmp_path)
 
 
 def fsdp2_case(name: str, rank: int) -> None:
+    from qwen3_lora import tiny_lora
+    from qwen3_moe_lora import tiny_moe_lora
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from merge import decoder_layers
     from padding.packed_attention import PACKED_SDPA  # importing it registers packed_sdpa
-    from qwen3_lora import tiny_lora
-    from qwen3_moe_lora import tiny_moe_lora
 
     bf16 = "bf16" in name
-    model = {"dense, packed_sdpa, activation checkpointing": lambda: tiny_lora(layers=3),
-             "dense, LoRA on an untied lm_head": lambda: tiny_lora(targets=["q_proj", "v_proj", "lm_head"], tie=False),
-             "moe": lambda: tiny_moe_lora(),
-             "dense, bf16 base and compute, fp32 LoRA": lambda: tiny_lora(dtype=torch.bfloat16)}[name]()
+    model = {
+        "dense, packed_sdpa, activation checkpointing": lambda: tiny_lora(layers=3),
+        "dense, LoRA on an untied lm_head": lambda: tiny_lora(targets=["q_proj", "v_proj", "lm_head"], tie=False),
+        "moe": lambda: tiny_moe_lora(),
+        "dense, bf16 base and compute, fp32 LoRA": lambda: tiny_lora(dtype=torch.bfloat16),
+    }[name]()
     if "packed_sdpa" in name:
         model.get_base_model().config._attn_implementation = PACKED_SDPA
     if "checkpointing" in name:
@@ -133,20 +145,25 @@ def fsdp2_case(name: str, rank: int) -> None:
         worst = max((grads[n] - want_grads[n]).abs().max().item() for n in grads)
         for n in grads:
             torch.testing.assert_close(grads[n], want_grads[n], **tolerance, msg=f"{name}: {n}")
-        print(f"rank {rank}: {name}, legacy_slice={legacy_slice}: max |log-prob diff| "
-              f"{(got - want).abs().max().item():.1e}, max |LoRA grad diff| {worst:.1e} ({len(grads)} tensors)")
+        print(
+            f"rank {rank}: {name}, legacy_slice={legacy_slice}: max |log-prob diff| "
+            f"{(got - want).abs().max().item():.1e}, max |LoRA grad diff| {worst:.1e} ({len(grads)} tensors)"
+        )
 
 
 if __name__ == "__main__":
     import torch.distributed as dist
-
     from torchrun import finish_worker
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    for case in ("dense, packed_sdpa, activation checkpointing", "dense, LoRA on an untied lm_head", "moe",
-                 "dense, bf16 base and compute, fp32 LoRA"):
+    for case in (
+        "dense, packed_sdpa, activation checkpointing",
+        "dense, LoRA on an untied lm_head",
+        "moe",
+        "dense, bf16 base and compute, fp32 LoRA",
+    ):
         fsdp2_case(case, rank)
     print(f"rank {rank}: PADDING FSDP2 OK", flush=True)
     finish_worker()

@@ -6,27 +6,44 @@ import sys
 from pathlib import Path
 
 import matplotlib.image
-import pytest
-
 import plot_metrics
+import pytest
 from plot_metrics import plot, summary
 
 
 def write_run(folder, merge, legacy, ratio):
     folder.mkdir()
-    rows = [dict(rollout_step=s, merge=merge, legacy_slice=legacy, ratio_mean=ratio * s, ratio_max=2 * ratio * s,
-                 rollout_logprob_diff_mean=3e-7, rollout_tokens_per_s=2500.0 if merge else 500.0,
-                 reward_mean=0.5 + 0.01 * s, step_s=float(s if merge else 2 * s), sync_s=0.1, rollout_s=1.0,
-                 update_s=2.0) for s in range(1, 6)]
-    rows += [dict(rollout_step=s, global_step=4 * s, eval_reward_greedy=0.7 + 0.01 * s, eval_reward_sampled=0.4 + 0.05 * s)
-             for s in (0, 5)]  # evaluation lines: before training and at the end
+    rows = [
+        dict(
+            rollout_step=s,
+            merge=merge,
+            legacy_slice=legacy,
+            ratio_mean=ratio * s,
+            ratio_max=2 * ratio * s,
+            rollout_logprob_diff_mean=3e-7,
+            rollout_tokens_per_s=2500.0 if merge else 500.0,
+            reward_mean=0.5 + 0.01 * s,
+            step_s=float(s if merge else 2 * s),
+            sync_s=0.1,
+            rollout_s=1.0,
+            update_s=2.0,
+        )
+        for s in range(1, 6)
+    ]
+    rows += [
+        dict(rollout_step=s, global_step=4 * s, eval_reward_greedy=0.7 + 0.01 * s, eval_reward_sampled=0.4 + 0.05 * s)
+        for s in (0, 5)
+    ]  # evaluation lines: before training and at the end
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
 
 def test_plot_draws_each_runs_metrics_and_the_script_writes_its_summary(tmp_path, monkeypatch):
-    runs = [write_run(tmp_path / "on", True, False, 1.0), write_run(tmp_path / "off", False, False, 1.0),
-            write_run(tmp_path / "legacy", True, True, 4e5)]
+    runs = [
+        write_run(tmp_path / "on", True, False, 1.0),
+        write_run(tmp_path / "off", False, False, 1.0),
+        write_run(tmp_path / "legacy", True, True, 4e5),
+    ]
     figures = []
     monkeypatch.setattr(plot_metrics, "save_figure", lambda fig, out: figures.append(fig) or out)
     plot(runs, tmp_path / "metrics.png")
@@ -35,16 +52,20 @@ def test_plot_draws_each_runs_metrics_and_the_script_writes_its_summary(tmp_path
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "reward_mean" in r]
         evals = [r for r in rows if "eval_reward_greedy" in r]
-        for title, key in [("mean reward", "reward_mean"), ("rollout tokens / s", "rollout_tokens_per_s"),
-                           ("|vLLM − trainer| log-prob", "rollout_logprob_diff_mean"), ("weight sync (s)", "sync_s"),
-                           ("rollout step wall time (s)", "step_s")]:
+        for title, key in [
+            ("mean reward", "reward_mean"),
+            ("rollout tokens / s", "rollout_tokens_per_s"),
+            ("|vLLM − trainer| log-prob", "rollout_logprob_diff_mean"),
+            ("weight sync (s)", "sync_s"),
+            ("rollout step wall time (s)", "step_s"),
+        ]:
             line = panels[title].get_lines()[i]
             assert list(line.get_xdata()) == [r["rollout_step"] for r in steps], title
             assert list(line.get_ydata()) == [r[key] for r in steps], title
-        mean, extreme = panels["PPO ratio: mean (thick), max (thin)"].get_lines()[2 * i: 2 * i + 2]
+        mean, extreme = panels["PPO ratio: mean (thick), max (thin)"].get_lines()[2 * i : 2 * i + 2]
         assert list(mean.get_ydata()) == [r["ratio_mean"] for r in steps]
         assert list(extreme.get_ydata()) == [r["ratio_max"] for r in steps]
-        greedy, sampled = panels["held-out acc.: greedy •, sampled ×"].get_lines()[2 * i: 2 * i + 2]
+        greedy, sampled = panels["held-out acc.: greedy •, sampled ×"].get_lines()[2 * i : 2 * i + 2]
         assert list(greedy.get_xdata()) == [r["rollout_step"] for r in evals]
         assert list(greedy.get_ydata()) == [r["eval_reward_greedy"] for r in evals]
         assert list(sampled.get_ydata()) == [r["eval_reward_sampled"] for r in evals]

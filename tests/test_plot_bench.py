@@ -4,9 +4,8 @@ what they hold."""
 import json
 
 import matplotlib.image
-import pytest
-
 import plot_bench
+import pytest
 from plot_bench import plot
 
 
@@ -15,20 +14,41 @@ def rollout_json(path):
     for size, scale in (("tiny", 5.0), ("small", 1.0)):
         for dtype in ("float32", "bfloat16"):
             tps = dict(base=1000.0 * scale, merged=990.0 * scale, lora=300.0 * scale)
-            results.append(dict(size=size, dtype=dtype, parameters=1e6 * scale, tokens_per_s=tps, merged_over_base=tps["merged"] / tps["base"],
-                                merged_over_lora=tps["merged"] / tps["lora"]))
+            results.append(
+                dict(
+                    size=size,
+                    dtype=dtype,
+                    parameters=1e6 * scale,
+                    tokens_per_s=tps,
+                    merged_over_base=tps["merged"] / tps["base"],
+                    merged_over_lora=tps["merged"] / tps["lora"],
+                )
+            )
     path.write_text(json.dumps(dict(command="python recipes/bench_rollout.py", results=results)))
     return path
 
 
 def sync_json(path):
     methods = {}
-    for name, seconds, drain, push in (("merged_lora_params", 0.46, 2.0, 2.4), ("plain_push", 0.42, 2.0, 2.4),
-                                       ("trl_merge_unmerge", 0.83, 0.7, 1.5), ("full_state_dict", 0.63, 8.4, 9.2)):
-        methods[name] = dict(median_s=seconds, over_plain_push=seconds / 0.42,
-                             peak_extra_layers=dict(drain=drain, vllm_push=push))
-    path.write_text(json.dumps(dict(command="python recipes/bench_sync.py", methods=methods,
-                                    settings=dict(parameters=2.6e7), unshard_only_peak_extra_layers=2.0)))
+    for name, seconds, drain, push in (
+        ("merged_lora_params", 0.46, 2.0, 2.4),
+        ("plain_push", 0.42, 2.0, 2.4),
+        ("trl_merge_unmerge", 0.83, 0.7, 1.5),
+        ("full_state_dict", 0.63, 8.4, 9.2),
+    ):
+        methods[name] = dict(
+            median_s=seconds, over_plain_push=seconds / 0.42, peak_extra_layers=dict(drain=drain, vllm_push=push)
+        )
+    path.write_text(
+        json.dumps(
+            dict(
+                command="python recipes/bench_sync.py",
+                methods=methods,
+                settings=dict(parameters=2.6e7),
+                unshard_only_peak_extra_layers=2.0,
+            )
+        )
+    )
     return path
 
 
@@ -49,7 +69,8 @@ def test_plot_bench_draws_the_benchmarks_figures(tmp_path, monkeypatch):
     assert [bar.get_height() for bar in seconds.patches] == [m["median_s"] for m in methods.values()]
     assert [t.get_text() for t in seconds.texts] == [f"{m['over_plain_push']:.2f}×" for m in methods.values()]
     assert [bar.get_height() for bar in memory.patches] == [
-        m["peak_extra_layers"][consumer] for consumer in ("drain", "vllm_push") for m in methods.values()]
+        m["peak_extra_layers"][consumer] for consumer in ("drain", "vllm_push") for m in methods.values()
+    ]
 
 
 def test_missing_or_wrong_files_are_named(tmp_path):

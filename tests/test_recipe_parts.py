@@ -7,10 +7,10 @@ import torch
 
 from grpo.config import ConfigError, load_config
 from grpo.data import group_advantages, load_problems, make_batch, reward_columns, select, tokenize_prompts
-from padding import no_padding_2_padding, unpad
 from grpo.engine import Sample
 from grpo.rewards import gsm8k_exact_answer_reward
 from grpo.tiny_gsm8k import build_tokenizer
+from padding import no_padding_2_padding, unpad
 
 
 def test_group_advantages():
@@ -22,10 +22,19 @@ def test_group_advantages():
 
 
 def test_make_batch_layout_and_select_trims():
-    samples = [Sample(prompt_ids=[5, 6, 7], completion_ids=[8, 9], text="", logprobs=[-0.1, -0.2], truncated=False,
-                      prompt_index=0),
-               Sample(prompt_ids=[5], completion_ids=[8, 9, 10, 11], text="", logprobs=[-0.3, -0.4, -0.5, -0.6],
-                      truncated=True, prompt_index=1)]
+    samples = [
+        Sample(
+            prompt_ids=[5, 6, 7], completion_ids=[8, 9], text="", logprobs=[-0.1, -0.2], truncated=False, prompt_index=0
+        ),
+        Sample(
+            prompt_ids=[5],
+            completion_ids=[8, 9, 10, 11],
+            text="",
+            logprobs=[-0.3, -0.4, -0.5, -0.6],
+            truncated=True,
+            prompt_index=1,
+        ),
+    ]
     batch = make_batch(samples, pad_id=0, device=torch.device("cpu"))
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0], [0, 0, 5, 8, 9, 10, 11]]
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
@@ -45,8 +54,10 @@ def test_local_dataset_and_chat_template(tmp_path):
     problems = load_problems(cfg)
     assert problems == rows
     tokenizer = build_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     kept = tokenize_prompts(cfg, tokenizer, problems)
     assert len(kept) == 2 and kept[0]["prompt"] == "system: Be brief.\nuser: What is 2+2?\nassistant:"
     assert tokenizer.decode(kept[0]["prompt_ids"]) == kept[0]["prompt"]
@@ -67,8 +78,11 @@ def test_reward_columns_follow_trl_signature():
 
 
 def test_empty_and_overlong_prompts_are_dropped_with_a_count(tmp_path, caplog):
-    rows = [{"question": "What is 2+2?", "answer": "#### 4"}, {"question": "", "answer": "#### 0"},
-            {"question": "x" * 100, "answer": "#### 1"}]
+    rows = [
+        {"question": "What is 2+2?", "answer": "#### 4"},
+        {"question": "", "answer": "#### 0"},
+        {"question": "x" * 100, "answer": "#### 1"},
+    ]
     cfg = load_config(None, ["data.use_chat_template=false", "data.max_prompt_length=50"])  # template "{question}"
     with caplog.at_level("WARNING"):
         kept = tokenize_prompts(cfg, build_tokenizer(), rows)

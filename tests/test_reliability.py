@@ -8,13 +8,24 @@ import time
 
 import pytest
 from peft import PeftModel
+from recipe_runs import ROOT, launch, launch_command, launch_env, read_metrics
 from transformers import AutoModelForCausalLM
 
-from recipe_runs import ROOT, launch, launch_command, launch_env, read_metrics
-
 # everything a step computes that does not depend on the clock
-DETERMINISTIC = ["rollout_step", "global_step", "reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max",
-                 "clip_frac", "rollout_logprob_diff_mean", "rollout_tokens", "loss", "lr"]
+DETERMINISTIC = [
+    "rollout_step",
+    "global_step",
+    "reward_mean",
+    "reward_std",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "clip_frac",
+    "rollout_logprob_diff_mean",
+    "rollout_tokens",
+    "loss",
+    "lr",
+]
 
 
 def checkpoint_step(checkpoint) -> int:
@@ -29,8 +40,14 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, t
     # Interrupt a longer run as a terminal or a cluster scheduler would: SIGTERM to every process of the job.
     out, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
     with open(log, "w") as sink:  # a file, not a pipe: a full pipe would block the run
-        proc = subprocess.Popen(launch_command(out, tiny_model, "max_steps=40"), cwd=ROOT, env=launch_env(),
-                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            launch_command(out, tiny_model, "max_steps=40"),
+            cwd=ROOT,
+            env=launch_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.time() + 600
         while not read_metrics(out) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
@@ -51,13 +68,22 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, t
     resumed, metrics_after = launch(out, tiny_model, "max_steps=12", "resume_from=last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert f"continuing at rollout step {stopped_at + 1} of 6" in resumed.stderr
-    assert [m["rollout_step"] for m in metrics_after] == [1, 2, 3, 4, 5, 6]  # earlier lines kept, later ones redone once
+    assert [m["rollout_step"] for m in metrics_after] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]  # earlier lines kept, later ones redone once
     for got, want in zip(metrics_after, metrics):
         assert {k: got[k] for k in DETERMINISTIC} == pytest.approx({k: want[k] for k in DETERMINISTIC}, rel=1e-9)
 
 
 def test_nan_reward_on_one_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path, tiny_model):
-    proc, metrics = launch(tmp_path, tiny_model, "save_steps=2", "reward_funcs=[faulty_rewards:nan_on_rank0_second_call]")
+    proc, metrics = launch(
+        tmp_path, tiny_model, "save_steps=2", "reward_funcs=[faulty_rewards:nan_on_rank0_second_call]"
+    )
     assert proc.returncode != 0
     assert "step 2, rewards: non-finite reward from faulty_rewards:nan_on_rank0_second_call" in proc.stderr
     last_good = tmp_path / "run" / "checkpoint-2"
@@ -73,8 +99,14 @@ def test_nonfinite_loss_stops_before_the_update(tmp_path, tiny_model, dtype):
     """A learning rate of 1e30 makes the weights huge at the first update (rollout step 3: the reward is flat before);
     the first NaN/inf stops the step before optimizer.step(), naming the last good checkpoint. In fp16 the huge
     fp32 LoRA weights overflow in the next forward (cast to fp16), which stops the same way."""
-    proc, metrics = launch(tmp_path, tiny_model, "learning_rate=1e30", "save_steps=2", f"model.dtype={dtype}",
-                           "reward_funcs=[faulty_rewards:flat_for_two_steps]")
+    proc, metrics = launch(
+        tmp_path,
+        tiny_model,
+        "learning_rate=1e30",
+        "save_steps=2",
+        f"model.dtype={dtype}",
+        "reward_funcs=[faulty_rewards:flat_for_two_steps]",
+    )
     assert proc.returncode != 0
     assert "non-finite loss" in proc.stderr and "stopped before the optimizer update" in proc.stderr
     failed_step = len(metrics) + 1

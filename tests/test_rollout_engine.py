@@ -4,17 +4,17 @@ import ast
 import logging
 from pathlib import Path
 
+import bench_rollout
+import bench_sync
 import pytest
 import torch
+from bench_common import with_random_lora
 from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 
-import bench_rollout
-import bench_sync
-from bench_common import with_random_lora
+from grpo.rollout_engine import RolloutEngine, WeightPushError
 from merge import merged_lora_params
 from padding import packed_log_probs
-from grpo.rollout_engine import RolloutEngine, WeightPushError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,11 +68,14 @@ def test_merged_push_serves_the_trainers_log_probs(engine_and_policy, caplog):
     assert lora_effect > 100 * 1e-4, lora_effect  # the LoRA moves log-probs far beyond the bound (~0.2)
 
 
-@pytest.mark.parametrize("dropped, named", [
-    ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),  # a whole layer
-    ("model.layers.1.self_attn.k_proj.weight", "QKVParallelLinear"),  # part of a fused q/k/v layer
-    ("model.norm.weight", "model.norm.weight"),
-])
+@pytest.mark.parametrize(
+    "dropped, named",
+    [
+        ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),  # a whole layer
+        ("model.layers.1.self_attn.k_proj.weight", "QKVParallelLinear"),  # part of a fused q/k/v layer
+        ("model.norm.weight", "model.norm.weight"),
+    ],
+)
 def test_a_dropped_tensor_fails_the_push_by_name(engine_and_policy, dropped, named):
     engine, policy = engine_and_policy
     with pytest.raises(WeightPushError, match=named.replace(".", r"\.")):

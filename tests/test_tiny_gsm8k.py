@@ -37,8 +37,16 @@ def test_slips_restate_the_result_plus_one_on_a_majority_of_answers():
         assert s["question"] == p["question"] and s["answer"].split("\n")[:-1] == p["answer"].split("\n")[:-1]
 
 
-@pytest.mark.parametrize("text, expected", [("2+3=5\n#### 5", "5"), ("#### 1,234", "1234"), ("#### 3 then #### 4", "4"),
-                                            ("no answer", None), ("####-7", "-7")])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2+3=5\n#### 5", "5"),
+        ("#### 1,234", "1234"),
+        ("#### 3 then #### 4", "4"),
+        ("no answer", None),
+        ("####-7", "-7"),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 

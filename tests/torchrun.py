@@ -6,17 +6,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-              "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "recipes"))}
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "recipes")),
+}
 
 
-def torchrun(worker: str, *args: str, ok_marker: str, timeout: int = 600, base_env: dict | None = None,
-             **env: str) -> subprocess.CompletedProcess:
+def torchrun(
+    worker: str, *args: str, ok_marker: str, timeout: int = 600, base_env: dict | None = None, **env: str
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node 2 tests/<worker> <args>``; asserts that it succeeded and that both
     ranks printed ``ok_marker`` (each worker prints it after its own assertions passed). The environment is
     ``base_env`` (default: this process's), plus WORKER_ENV, plus ``env``."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "tests" / worker), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "tests" / worker),
+        *args,
+    ]
     environment = {**(os.environ if base_env is None else base_env), **WORKER_ENV, **env}
     proc = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
     print(proc.stdout[-4000:])

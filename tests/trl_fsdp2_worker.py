@@ -13,23 +13,33 @@ import sys
 import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
+from qwen3_lora import ALL_LINEAR
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.generation.vllm_generation import VLLMGeneration
+from trl_helpers import (
+    RecordingVLLMClient,
+    broadcast_recorded,
+    completion_logprobs,
+    expected_tensors,
+    max_abs_diff,
+    merged_copy,
+    params_digest,
+    randomize_lora_b,
+)
 
+from grpo.tiny_gsm8k import format_prompt, make_problems
 from merge import decoder_layers
 from merge.trl import check_fsdp2_layout, install_merged_lora_sync, vllm_engine_kwargs
-from qwen3_lora import ALL_LINEAR
-from grpo.tiny_gsm8k import format_prompt, make_problems
-from trl_helpers import (RecordingVLLMClient, broadcast_recorded, completion_logprobs, expected_tensors,
-                         max_abs_diff, merged_copy, params_digest, randomize_lora_b)
 
 
 def lora_model(model_dir: str):
     torch.manual_seed(0)  # the same adapter on every rank
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=ALL_LINEAR, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        LoraConfig(r=8, lora_alpha=16, target_modules=ALL_LINEAR, task_type="CAUSAL_LM"),
+    )
     randomize_lora_b(model)
     return model
 
@@ -56,8 +66,15 @@ def main():
     assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters are not sharded"
 
     with vllm_engine_kwargs(dtype="float32", kv_cache_memory_bytes=64 * 2**20, enforce_eager=True):
-        generation = VLLMGeneration(model=model, accelerator=accelerator, processing_class=tokenizer,
-                                    mode="colocate", max_model_length=128, max_num_seqs=8, max_completion_length=16)
+        generation = VLLMGeneration(
+            model=model,
+            accelerator=accelerator,
+            processing_class=tokenizer,
+            mode="colocate",
+            max_model_length=128,
+            max_num_seqs=8,
+            max_completion_length=16,
+        )
     install_merged_lora_sync(generation)
 
     # colocate: record what reaches vLLM's reload_weights, and let it load
@@ -79,8 +96,12 @@ def main():
     prompts = [tokenizer(format_prompt(p["question"])).input_ids for p in make_problems(4, seed=rank)]
     _, completions, logprobs, _ = generation.generate(prompts=prompts, images=None, num_generations=1)
     reference.eval()
-    diffs = torch.cat([(torch.tensor([lp[0] for lp in seq_logprobs]) - completion_logprobs(reference, p, list(c))).abs()
-                       for p, c, seq_logprobs in zip(prompts, completions, logprobs)])
+    diffs = torch.cat(
+        [
+            (torch.tensor([lp[0] for lp in seq_logprobs]) - completion_logprobs(reference, p, list(c))).abs()
+            for p, c, seq_logprobs in zip(prompts, completions, logprobs)
+        ]
+    )
     assert diffs.mean() <= 1e-4, f"vLLM samples with log-probs {diffs.mean():.3g} away from the merged model"
 
     # server: TRL's client on the main process, the network recorded; every rank iterates (unshard collectives)
@@ -91,8 +112,12 @@ def main():
     assert params_digest(model) == before, "the server sync changed the trainer's shards"
     if accelerator.is_main_process:
         posts = generation.vllm_client.posts
-        assert [url for url, _ in posts] == ["/start_weight_update", "/update_weights", "/finish_weight_update",
-                                             "/reset_prefix_cache"], posts
+        assert [url for url, _ in posts] == [
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/reset_prefix_cache",
+        ], posts
         info = posts[1][1]["update_info"]
         assert info["names"] == [name for name, _ in streamed]
         assert info["dtype_names"] == [str(t.dtype).removeprefix("torch.") for _, t in streamed]
@@ -110,8 +135,11 @@ def main():
     except ValueError as err:
         assert "decoder layer 0 is not a fully_shard group" in str(err), err
 
-    print(f"TRL FSDP2 OK rank {rank}: pushed {len(pushed)} tensors, max |diff| {colocate_diff:.1e}; "
-          f"|vLLM - merged| log-prob mean {diffs.mean():.1e} over {diffs.numel()} tokens", flush=True)
+    print(
+        f"TRL FSDP2 OK rank {rank}: pushed {len(pushed)} tensors, max |diff| {colocate_diff:.1e}; "
+        f"|vLLM - merged| log-prob mean {diffs.mean():.1e} over {diffs.numel()} tokens",
+        flush=True,
+    )
     # no teardown: vLLM's engine shutdown at exit destroys the process groups, the default one included
 
 

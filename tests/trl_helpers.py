@@ -83,8 +83,8 @@ def params_digest(model: torch.nn.Module) -> str:
 def completion_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0):
     """Log-probs of the completion tokens under ``model`` (one unpadded sequence, eval mode)."""
     ids = torch.tensor([prompt_ids + completion_ids])
-    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt_ids) :, None])[:, 0]
 
 
 @torch.no_grad()

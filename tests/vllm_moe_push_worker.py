@@ -18,11 +18,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the 
 
 import torch
 from peft import LoraConfig, get_peft_model
+from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_qwen3_moe
 from transformers import AutoModelForCausalLM
 
 from merge import merged_lora_params
 from merge.vllm_compat import reload_vllm_weights
-from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_qwen3_moe
 
 
 def lora_on_attention_and_experts(model_dir: str):
@@ -71,26 +71,46 @@ def main(out_path: str, model_dir: str | None) -> None:
                 param.zero_()
     skipped = f"model.layers.0.mlp.experts.{most_routed_expert(base, tokens, 0)}.down_proj.weight"
 
-    llm = LLM(model=model_dir, dtype="float32", seed=0, enforce_eager=True, max_model_len=256,
-              kv_cache_memory_bytes=32 * 2**20, enable_prefix_caching=False, skip_tokenizer_init=True)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=32 * 2**20,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+    )
 
     def vllm_logprobs() -> torch.Tensor:
-        outputs = llm.generate([{"prompt_token_ids": row.tolist()} for row in tokens],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
-        return torch.tensor([[step[t].logprob for step, t in zip(out.prompt_logprobs[1:], row[1:].tolist())]
-                             for out, row in zip(outputs, tokens)])
+        outputs = llm.generate(
+            [{"prompt_token_ids": row.tolist()} for row in tokens],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )
+        return torch.tensor(
+            [
+                [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], row[1:].tolist())]
+                for out, row in zip(outputs, tokens)
+            ]
+        )
 
     def largest_error(reference: torch.Tensor) -> float:
         return (vllm_logprobs() - reference).abs().max().item()  # NaN if vLLM computes NaN: never within a bound
 
-    result = dict(lora_effect=(expected - base_logprobs).abs().max().item(),
-                  expert_lora_effect=(expected - hf_logprobs(without_expert_lora, tokens)).abs().max().item(),
-                  skipped=skipped, engine_base_error=largest_error(base_logprobs))
+    result = dict(
+        lora_effect=(expected - base_logprobs).abs().max().item(),
+        expert_lora_effect=(expected - hf_logprobs(without_expert_lora, tokens)).abs().max().item(),
+        skipped=skipped,
+        engine_base_error=largest_error(base_logprobs),
+    )
     # first, before the engine ever held the merged weights, so that no stale copy can hide the gap
     reload_vllm_weights(llm, ((n, t) for n, t in merged_lora_params(trainer, dtype=torch.float32) if n != skipped))
     result["skipped_expert_error"] = largest_error(expected)
-    llm.collective_rpc("reload_weights", kwargs=dict(
-        weights_iterator=merged_lora_params(trainer, dtype=torch.float32), is_checkpoint_format=True))
+    llm.collective_rpc(
+        "reload_weights",
+        kwargs=dict(weights_iterator=merged_lora_params(trainer, dtype=torch.float32), is_checkpoint_format=True),
+    )
     result["plain_reload_weights_error"] = largest_error(expected)  # vLLM 0.32's own call: expert weights unpacked
     reload_vllm_weights(llm, merged_lora_params(trainer, dtype=torch.float32))
     result["merged_error"] = largest_error(expected)
