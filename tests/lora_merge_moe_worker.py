@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 import torch
 from peft import LoraConfig, get_peft_model
-from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_qwen3_moe
+from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_cpu_llm, tiny_qwen3_moe
 from vllm_moe_push_worker import hf_logprobs
 
 from merge.weight_transfer import LoraMergeTrainer
@@ -37,21 +37,11 @@ def policy(model_dir: str, seed: int):
 
 
 def main(out_path: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     model_dir = tempfile.mkdtemp()
     tiny_qwen3_moe(tie=False).save_pretrained(model_dir)
-    llm = LLM(
-        model=model_dir,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=256,
-        kv_cache_memory_bytes=32 * 2**20,
-        enable_prefix_caching=False,
-        skip_tokenizer_init=True,
-        weight_transfer_config={"backend": "lora_merge"},
-    )
+    llm = tiny_cpu_llm(model_dir, weight_transfer_config={"backend": "lora_merge"})
     tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
 
     def largest_error(reference: torch.Tensor) -> float:

@@ -56,3 +56,20 @@ def tiny_moe_lora(
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     return model
+
+
+def tiny_cpu_llm(model_dir: str, **engine_args):
+    """An in-process fp32 vLLM engine on a tiny model (token ids in, no tokenizer), as the MoE workers use it."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_dir,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=32 * 2**20,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        **engine_args,
+    )

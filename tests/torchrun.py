@@ -1,5 +1,6 @@
 """A test's worker script under torchrun: 2 processes (gloo on CPU), this checkout first on the path, offline."""
 
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,22 @@ def torchrun(
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count(ok_marker) == 2, proc.stdout[-4000:]
     return proc
+
+
+def vllm_worker(worker: str, out: Path, timeout: int = 300) -> dict:
+    """``python tests/<worker> <out>`` with an in-process vLLM engine; asserts that it succeeded and returns the JSON
+    figures it wrote to ``out``."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / worker), str(out)],
+        env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    print(figures)
+    return figures
 
 
 def finish_worker() -> None:

@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the 
 
 import torch
 from peft import LoraConfig, get_peft_model
-from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_qwen3_moe
+from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_cpu_llm, tiny_qwen3_moe
 from transformers import AutoModelForCausalLM
 
 from merge import merged_lora_params
@@ -53,7 +53,7 @@ def most_routed_expert(model, tokens: torch.Tensor, layer: int) -> int:
 
 
 def main(out_path: str, model_dir: str | None) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     if model_dir is None:
         model_dir = tempfile.mkdtemp()
@@ -71,16 +71,7 @@ def main(out_path: str, model_dir: str | None) -> None:
                 param.zero_()
     skipped = f"model.layers.0.mlp.experts.{most_routed_expert(base, tokens, 0)}.down_proj.weight"
 
-    llm = LLM(
-        model=model_dir,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=256,
-        kv_cache_memory_bytes=32 * 2**20,
-        enable_prefix_caching=False,
-        skip_tokenizer_init=True,
-    )
+    llm = tiny_cpu_llm(model_dir)
 
     def vllm_logprobs() -> torch.Tensor:
         outputs = llm.generate(
