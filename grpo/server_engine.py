@@ -75,8 +75,8 @@ class ServerEngine:
 
         self.url, self.model_name, self.merge, self.rank, self.timeout = url.rstrip("/"), model, merge, rank, timeout
         self.check_server(self.url, model, merge)
-        self.session = requests.Session()
-        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
+        self.http = requests.Session()
+        self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.served_name = self._get("/v1/models")["data"][0]["id"]
         self.version: str | None = None  # the weight version the last sync made the server serve
@@ -92,7 +92,7 @@ class ServerEngine:
         import requests
 
         try:
-            response = self.session.request(method, f"{self.url}{path}", timeout=self.timeout, **kwargs)
+            response = self.http.request(method, f"{self.url}{path}", timeout=self.timeout, **kwargs)
         except requests.ConnectionError as error:
             raise ServerError(
                 f"the vLLM server at {self.url} stopped answering ({type(error).__name__} on {path}); the run's "
@@ -242,4 +242,4 @@ class ServerEngine:
     def close(self) -> None:
         if self.transfer is not None:
             self.transfer.shutdown()
-        self.session.close()
+        self.http.close()
