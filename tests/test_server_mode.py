@@ -5,7 +5,8 @@ the first; a trainer killed between /start_weight_update and /finish_weight_upda
 previous complete version; a trainer rank killed during a sync of the recipe leaves the server serving its last
 complete version, and the run resumed against the same server ends as an uninterrupted run. MoE expert LoRA and
 LoRA on embeddings: an in-process ``LLM`` with the same backend (tests/lora_merge_moe_worker.py), cheaper than a
-second server.
+second server. lora.merge=false, one test with a second server of its own (vLLM's LoRA serving): the served
+log-probs after a load are the peft model's, and a second load replaces the first adapter, name and weights.
 """
 
 import copy
@@ -56,22 +57,31 @@ def policy(model_dir: str, seed: int):
     return peft_model
 
 
-def served_vs_merged(engine, peft_model) -> tuple[float, float, list]:
-    """(mean, max) |served - merge_and_unload()| over the sampled tokens' log-probs, and the samples."""
+def reference_logprobs(model, samples) -> torch.Tensor:
+    """The sampled tokens' log-probs under ``model`` (temperature 1), every sample's, concatenated."""
+    references = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
+            references.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0])
+    return torch.cat(references)
+
+
+def served_vs(engine, reference) -> tuple[float, float, list]:
+    """(mean, max) |served - ``reference`` model| over the log-probs of tokens the server samples, and the samples."""
     from vllm import SamplingParams
 
     prompt_ids = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
     samples = engine.generate(prompt_ids, SamplingParams(n=2, temperature=1.0, max_tokens=24, logprobs=0))
-    merged = copy.deepcopy(peft_model).merge_and_unload()
-    errors = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.completion_ids])
-            logits = merged(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
-            reference = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
-            errors.append((torch.tensor(s.logprobs) - reference).abs())
-    errors = torch.cat(errors)
+    served = torch.tensor([logprob for s in samples for logprob in s.logprobs])
+    errors = (served - reference_logprobs(reference, samples)).abs()
     return errors.mean().item(), errors.max().item(), samples
+
+
+def served_vs_merged(engine, peft_model) -> tuple[float, float, list]:
+    """(mean, max) |served - merge_and_unload()| over the sampled tokens' log-probs, and the samples."""
+    return served_vs(engine, copy.deepcopy(peft_model).merge_and_unload())
 
 
 def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
@@ -92,6 +102,53 @@ def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
     mean, largest, _ = served_vs_merged(engine, second)
     assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
+    engine.close()
+
+
+@pytest.fixture
+def lora_server(tiny_model, tmp_path):
+    """``vllm serve`` on the embedded model with vLLM's LoRA serving (lora.merge=false); yields (url, model path).
+    Function-scoped: one test uses it, and it stops as soon as that test ends."""
+    log_path = tmp_path / "lora_server.log"
+    proc, url = serve(
+        tiny_model, log_path, lora_rank=8, kv_cache_bytes=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=8192
+    )
+    try:
+        wait_until_up(proc, url, log_path)
+        yield url, tiny_model
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_adapter_mode_serves_the_peft_model_and_a_second_load_replaces_the_first(lora_server, tmp_path):
+    """lora.merge=false: the saved adapter, loaded with /v1/load_lora_adapter, samples what the peft model computes.
+
+    The reference is the unmerged peft model: vLLM's LoRA computes ``x W + (x A) (scale B)`` in fp32 (scale = 2 folded
+    into B exactly; its CPU punica ops, vllm/lora/ops/torch_ops, run in the activations' dtype), as peft does.
+    merge_and_unload() rounds ``W + scale B A`` into one fp32 weight instead, which alone moves these log-probs by up
+    to 7.6e-6 (mean 8.9e-7) and would leave no margin under the bounds of the lora_merge test.
+    """
+    from grpo.server_engine import ServerEngine
+
+    url, model_dir = lora_server
+    engine = ServerEngine(url, model_dir, merge=False)
+    first, second = policy(model_dir, seed=1), policy(model_dir, seed=2)
+    adapter_dir = tmp_path / "adapter"
+    engine.sync_policy(first, adapter_dir, version=1, rank=0)
+    mean, largest, samples = served_vs(engine, first)  # generate checks every completion's weight version
+    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert sum(len(s.completion_ids) for s in samples) > 10
+    served = torch.tensor([logprob for s in samples for logprob in s.logprobs])
+    with first.disable_adapter():  # the agreement is not trivial: the adapter moves the log-probs far more
+        assert (served - reference_logprobs(first, samples)).abs().mean() > 0.1
+
+    engine.sync_policy(second, adapter_dir, version=2, rank=0)  # the same folder, rewritten
+    mean, largest, _ = served_vs(engine, second)
+    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
+    adapters = [m["id"] for m in requests.get(f"{url}/v1/models").json()["data"] if m["parent"]]
+    assert adapters == ["policy-2"]  # the first adapter was unloaded
     engine.close()
 
 
