@@ -36,8 +36,12 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
     )
     kinds = {"sums": {}, "mins": {}, "maxs": {}}
     for name, value in local.items():
-        # phase times: the slowest rank's; the merge's precision figures are the same on every rank
-        op = "max" if name.endswith(("_s", "_max")) or name.startswith("sync_delta_") else reduce_op(name)
+        # phase times: the slowest rank's; the sync's figures (precision, bytes) are the same on every rank
+        op = (
+            "max"
+            if name.endswith(("_s", "_max")) or name.startswith("sync_delta_") or name == "sync_bytes"
+            else reduce_op(name)
+        )
         kinds[op + "s"][name] = value
     kinds["maxs"]["peak_mem_gb"] = peak_mem_gb(device)
     return reduce_across_ranks(**kinds)
@@ -87,6 +91,8 @@ def step_metrics(
             is_ratio_max=total["vllm_ratio_max"],
         )
     metrics.update({k: v for k, v in total.items() if k.startswith("sync_delta_")})
+    if "sync_bytes" in total:  # vllm.mode=server, merge=true: what crossed the wire to the server
+        metrics["sync_bytes"] = int(total["sync_bytes"])
     if "loss_scale_min" in total:  # fp16: the lowest loss scale of this step's updates; steps skipped so far
         metrics.update(loss_scale=total["loss_scale_min"], skipped_steps=int(total["skipped_steps_max"]))
     if "sync_changed_trainer" in total:

@@ -69,11 +69,26 @@ def _sampling_json(sampling, seed: int) -> dict:
 class ServerEngine:
     """The rollout engine of vllm.mode=server: a client of one ``vllm serve`` shared by every training rank."""
 
-    def __init__(self, url: str, model: str, *, merge: bool = True, rank: int = 0, timeout: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        merge: bool = True,
+        rank: int = 0,
+        dtype: str = "float32",
+        precision_stats: bool = True,
+        timeout: float = 600.0,
+    ):
         import requests
         from transformers import AutoTokenizer
 
         self.url, self.model_name, self.merge, self.rank, self.timeout = url.rstrip("/"), model, merge, rank, timeout
+        # below fp32 the factors travel in model.dtype, the dtype the trainer's forward reads them in (FSDP2's
+        # param_dtype, autocast in one process): half the bytes, nothing the policy uses is lost; the server merges
+        # in fp32 either way. The precision figures measure the cast of the merged weights: below fp32 only.
+        self.wire_dtype = dtype if dtype in ("bfloat16", "float16") else None
+        self.precision_stats = precision_stats and self.wire_dtype is not None
         self.check_server(self.url, model, merge)
         self.http = requests.Session()
         self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
@@ -85,7 +100,14 @@ class ServerEngine:
 
     @classmethod
     def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> ServerEngine:
-        return cls(cfg.vllm.server_url, cfg.model.name_or_path, merge=cfg.lora.merge, rank=rank)
+        return cls(
+            cfg.vllm.server_url,
+            cfg.model.name_or_path,
+            merge=cfg.lora.merge,
+            rank=rank,
+            dtype=cfg.model.dtype,
+            precision_stats=cfg.vllm.sync_precision_stats,
+        )
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, **kwargs):
@@ -170,6 +192,8 @@ class ServerEngine:
                 timeout=self.timeout,
                 num_workers=workers,
                 transport="nccl" if torch.cuda.is_available() else "gloo",
+                wire_dtype=self.wire_dtype,
+                precision_stats=self.precision_stats,
             )
         if self.rank != 0:
             self.transfer.send_weights(model)  # the gather is a collective
@@ -178,7 +202,7 @@ class ServerEngine:
             stats = self.transfer.send_weights(model, weight_version=str(version))
         except WeightTransferError as error:
             raise ServerError(f"weight sync to {self.url} refused: {error}") from None
-        return {**{k: v for k, v in stats.items() if v == v}, **self.transfer.last_sync}
+        return {**{k: v for k, v in stats.items() if v == v}, "sync_bytes": self.transfer.last_sync["sync_bytes"]}
 
     def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:
         save_adapter(model, adapter_dir, self.rank)
@@ -188,8 +212,11 @@ class ServerEngine:
             return {}
         self._post("/pause", params={"mode": "wait"})
         try:
-            if previous is not None:
-                self._post("/v1/unload_lora_adapter", json={"lora_name": previous})
+            # the previous sync's adapter; at a run's first sync, those a killed run left loaded
+            stale = [previous] if previous is not None else self._loaded_adapters()
+            for stale_name in stale:
+                if stale_name != name:
+                    self._post("/v1/unload_lora_adapter", json={"lora_name": stale_name})
             self._post(
                 "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir), "load_inplace": True}
             )  # a resumed run reloads its name
@@ -197,6 +224,10 @@ class ServerEngine:
         finally:
             self._post("/resume")
         return {}
+
+    def _loaded_adapters(self) -> list[str]:
+        """The LoRA adapters the server serves (``/v1/models`` lists each with its base model as ``parent``)."""
+        return [entry["id"] for entry in self._get("/v1/models")["data"] if entry.get("parent")]
 
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
         """Sample completions for token-id prompts on the server (one request per prompt, sent together); one

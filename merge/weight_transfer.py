@@ -28,10 +28,13 @@ LoRA on parameters (``target_parameters``: fused MoE experts) is sent as its del
 one tensor per expert and projection), since the split of a fused expert tensor into checkpoint tensors is
 transformers' conversion, applied to the delta; Linear and Embedding LoRA are sent as factors.
 
-Two options of the trainer side exist for comparisons (recipes/bench_server.py): ``update="full"`` sends the whole
-merged model instead (`merge.merged_lora_params`, every tensor, the server keeps no base), over the same group and
-through the same layer-wise reload: it stands in for vLLM's own full-weight transfer (NCCL/IPC, GPU only);
-``wire_dtype`` casts what is sent (e.g. the factors to the engine's bf16; the server still merges in fp32).
+``wire_dtype`` casts what is sent: the recipe sends the factors in its bf16/fp16 ``model.dtype``, the dtype its own
+forward reads them in (FSDP2's ``param_dtype``, autocast in one process), which halves the bytes; the server still
+merges in fp32. ``precision_stats=False`` skips the workers' `MergePrecisionStats` (the recipe measures them below
+fp32 only, where a cast can lose part of the update). ``update="full"`` sends the whole merged model instead
+(`merge.merged_lora_params`, every tensor, the server keeps no base), over the same group and through the same
+layer-wise reload: a comparison (recipes/bench_server.py) standing in for vLLM's own full-weight transfer (NCCL/IPC,
+GPU only).
 """
 
 from __future__ import annotations
@@ -316,6 +319,7 @@ class LoraMergeInitInfo(WeightTransferInitInfo):
     base_on_device: bool = False  # keep the pristine base on the engine's device (default: host memory)
     timeout_s: float = 600.0
     update: str = "lora"  # "full": whole weights arrive, no pristine base is kept
+    precision_stats: bool = True  # measure the merge's precision (`MergePrecisionStats`) and reply it
 
 
 @dataclass
@@ -408,6 +412,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.transport = "gloo"
         self.is_first_worker = False
         self.base: dict[str, torch.Tensor] = {}
+        self.precision_stats = True
         self.pending: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # a complete update, not yet applied
 
     def init_transfer_engine(self, init_info: LoraMergeInitInfo) -> None:
@@ -417,6 +422,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         self.transport = init_info.transport
+        self.precision_stats = init_info.precision_stats
         self.is_first_worker = rank == 1
         self.group = _open_group(
             init_info.master_address,
@@ -469,18 +475,19 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
             return
         entries, buffers = self.pending
         self.pending = None
-        stats = MergePrecisionStats()
+        stats = MergePrecisionStats() if self.precision_stats else None
         try:
             _reload(self, self._merged(entries, buffers, stats))
         except Exception as error:
             self._reply({"ok": False, "error": f"{type(error).__name__}: {error}"})
             raise
-        self._reply({"ok": True, **stats.totals()})
+        self._reply({"ok": True, **(stats.totals() if stats is not None else {})})
 
-    def _merged(self, entries: list[dict], buffers: dict[str, torch.Tensor], stats: MergePrecisionStats):
+    def _merged(self, entries: list[dict], buffers: dict[str, torch.Tensor], stats: MergePrecisionStats | None):
         """``(name, W_base + delta)`` for every tensor of the reloaded layers, in layer order; delta in fp32, one
         cast to the engine's dtype; tensors without a delta are the pristine base, cast. Entries of kind "weight"
-        (``update="full"``) are the tensors themselves, in the trainer's (layer) order."""
+        (``update="full"``) are the tensors themselves, in the trainer's (layer) order. ``delta = (B @ A) * scale``,
+        then ``+ W_base``, in fp32 as peft's merge computes it; in place where no ``stats`` needs the delta."""
         dtype = self.model_config.dtype
         by_target = {entry["target"]: entry for entry in entries}
 
@@ -499,12 +506,17 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                 yield name, base.to(self.device, dtype)
                 continue
             if entry["kind"] == "lora":
-                delta = view(entry["b"]) @ view(entry["a"])
-                delta = (delta.T if entry["transpose"] else delta) * entry["scale"]
+                delta = (view(entry["b"]) @ view(entry["a"])).mul_(entry["scale"])
+                delta = delta.T if entry["transpose"] else delta
             else:
                 delta = view(entry["d"])
-            merged = (base.to(self.device, torch.float32) + delta).to(dtype)
-            stats.add(base.to(self.device, dtype), delta, merged)
+            base = base.to(self.device)
+            if stats is None and entry["kind"] == "lora" and not entry["transpose"]:  # the product's own buffer
+                merged = delta.add_(base).to(dtype)
+            else:
+                merged = (base.float() + delta).to(dtype)
+            if stats is not None:
+                stats.add(base.to(dtype), delta, merged)
             yield name, merged
 
     def shutdown(self) -> None:
@@ -579,6 +591,7 @@ class LoraMergeTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 600.0
     update: str = "lora"  # "lora": the factors; "full": the whole merged model (a comparison, see the module doc)
     wire_dtype: str | None = None  # cast the sent tensors to this dtype (None: as they are, fp32 factors usually)
+    precision_stats: bool = True  # the workers measure the merge's precision (sync_delta_*; worth it below fp32)
 
     def __post_init__(self) -> None:
         if self.update not in ("lora", "full"):
@@ -628,6 +641,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
                 base_on_device=info.base_on_device,
                 timeout_s=info.timeout_s,
                 update=info.update,
+                precision_stats=info.precision_stats,
             )
         )
         pool = ThreadPoolExecutor(max_workers=1)
@@ -652,7 +666,8 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
 
     def send_weights(self, model=None, weight_version: str | None = None) -> dict[str, float]:
         """Send the adapter's current factors; the server serves ``W_base + update`` as ``weight_version`` once
-        this returns. Returns the merge-precision telemetry (`MergePrecisionStats.metrics`) on rank 0."""
+        this returns. Returns the merge-precision telemetry (`MergePrecisionStats.metrics`) on rank 0 (nothing with
+        ``precision_stats=False``)."""
         if model is None:
             raise ValueError(f"{BACKEND}: send_weights needs the peft model")
         wire_dtype = getattr(torch, self.init_info.wire_dtype) if self.init_info.wire_dtype else None
@@ -684,10 +699,12 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             call.result()
         finally:
             pool.shutdown(wait=False)
+        self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}
+        if "dot" not in reply:  # precision_stats=False
+            return {}
         stats = MergePrecisionStats()
         stats.sums = torch.tensor([reply[k] for k in MergePrecisionStats.FIELDS], dtype=torch.float64)
         stats.entries, stats.tensors = reply["entries"], reply["tensors"]
-        self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}
         return stats.metrics()
 
     def shutdown(self) -> None:

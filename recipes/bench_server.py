@@ -5,27 +5,33 @@
 For each model, real ``vllm serve`` subprocesses on this machine (`grpo.server_engine.serve_command`'s flags): one
 with the ``lora_merge`` backend, one with ``--enable-lora`` (vLLM serving the adapter). The trainer side is this
 process: a peft LoRA (r = 32, alpha = 64, every linear layer, non-zero lora_B) on the served checkpoint, synced
-through the recipe's `ServerEngine.sync_policy` (``/pause``, the transfer, ``/resume``) in three ways:
+through the recipe's `ServerEngine.sync_policy` (``/pause``, the transfer, ``/resume``) in these ways:
 
-  lora_merge         the factors (fp32, as trained) over the gloo group; the server merges W_base + scale*B@A in fp32
-                     from its pristine base and reloads layer-wise (`merge.weight_transfer`)
-  lora_merge_bf16    the same, the factors cast to bf16 before sending (the server still merges in fp32); only where
-                     the engine runs bf16. Its error: the merged bf16 weights against lora_merge's, computed here
-  full               the whole merged model (`merge.merged_lora_params`, in the engine's dtype) over the same group
-                     and the same layer-wise reload (``update="full"``): it stands in for vLLM's own full-weight
-                     transfer, whose backends (NCCL, CUDA IPC) need GPUs
-  adapter            vLLM LoRA: the adapter saved as safetensors, then ``/v1/load_lora_adapter`` on the LoRA server
+  lora_merge               the recipe's setting: the factors over the gloo group, in the engine's dtype below fp32
+                           (bf16: the dtype the trainer's forward reads them in) and as trained in fp32; the server
+                           merges W_base + scale*B@A in fp32 from its pristine base and reloads layer-wise
+                           (`merge.weight_transfer`), measuring the merge's precision below fp32 (sync_delta_*)
+  lora_merge_no_stats      bf16 engines: the same without the precision figures (vllm.sync_precision_stats=false)
+  lora_merge_fp32_factors  bf16 engines: the factors sent in fp32, as trained. Against lora_merge, the merged bf16
+                           weights differ by what rounding the factors to bf16 changes, computed here
+  full                     the whole merged model (`merge.merged_lora_params`, in the engine's dtype) over the same
+                           group and the same layer-wise reload (``update="full"``): it stands in for vLLM's own
+                           full-weight transfer, whose backends (NCCL, CUDA IPC) need GPUs
+  adapter                  vLLM LoRA: the adapter saved as safetensors, then ``/v1/load_lora_adapter`` on the LoRA
+                           server
 
 Each repetition runs the modes in turn (order reversed every other repetition); a lora_merge mode first reconnects
 (its own group, the pristine base read again) and syncs once untimed, so only a steady-state sync is timed. Bytes:
-what crosses the wire (the factors, the weights) or the adapter file. After lora_merge and after full the server's
-greedy log-probs on fixed prompts are compared: both must serve the same weights.
+what crosses the wire (the factors, the weights) or the adapter file. After lora_merge (with fp32 factors where
+there is that mode) and after full the server's greedy log-probs on fixed prompts are compared: both must serve the
+same weights.
 
-Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as recipes/bench_rollout.py and bench_sync.py) and
-"qwen3-4b-2layers" (two decoder layers of Qwen3-4B's exact shape and its 151,936-token vocabulary, bf16,
-`grpo.qwen3_4b_shape`); the second is extrapolated to Qwen3-4B's 36 layers: bytes exactly (per-layer bytes x 36 +
-the rest), seconds in proportion to the bytes (which overstates lora_merge and adapter, whose fixed costs are
-scaled too). "tiny" (the embedded default, fp32) is the smallest mode, for the test.
+Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as recipes/bench_rollout.py and bench_sync.py),
+"qwen3-4b-1layer" and "qwen3-4b-4layers" (1 and 4 decoder layers of Qwen3-4B's exact shape with its 151,936-token
+vocabulary, bf16, `grpo.qwen3_4b_shape`). From the two depths, Qwen3-4B's 36 layers are extrapolated: bytes exactly
+(the 4-layer model's per-layer bytes x 36 + the rest), seconds by a line through the two depths per mode
+(t(L) = t(1) + (L - 1) * (t(4) - t(1)) / 3: the fixed costs once, the per-layer cost 36 times). "tiny" (the embedded
+default, fp32) is the smallest mode, for the test.
 
 Rollouts (``--rollout-models``, default small): the server's tokens/s serving the base weights (lora_merge of a
 zero adapter: W_base exactly), the merged weights (lora_merge of the policy) and the adapter (vLLM LoRA, the other
@@ -41,7 +47,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -58,14 +63,16 @@ from transformers import AutoModelForCausalLM
 
 from grpo.server_engine import ServerEngine
 from grpo.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
-from merge.weight_transfer import LoraMergeTrainer, full_update, lora_update
+from merge.weight_transfer import LoraMergeTrainer, lora_update
 
 QWEN3_4B_LAYERS = 36
 MODELS = {  # name -> engine dtype
     "tiny": "float32",
     "small": "float32",
-    "qwen3-4b-2layers": "bfloat16",
+    "qwen3-4b-1layer": "bfloat16",
+    "qwen3-4b-4layers": "bfloat16",
 }
+DEPTHS = {"qwen3-4b-1layer": 1, "qwen3-4b-4layers": 4}  # decoder layers of Qwen3-4B's shape
 SCORE_PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
 
 
@@ -76,7 +83,7 @@ def model_dir(name: str, cache: Path, tiny_model: str | None = None) -> str:
         return build_tiny_model(cache / "bench-small", size="small", seed=0, warmup_steps=0)
     from grpo.qwen3_4b_shape import build_qwen3_4b_shape
 
-    return build_qwen3_4b_shape(cache / "qwen3-4b-2layers", num_layers=2, dtype="bfloat16")
+    return build_qwen3_4b_shape(cache / name, num_layers=DEPTHS[name], dtype="bfloat16")
 
 
 # ----------------------------------------------------------------------------- servers
@@ -109,20 +116,6 @@ def factor_bytes(peft_model) -> int:
     return sum(p.numel() * p.element_size() for name, p in peft_model.named_parameters() if "lora_" in name)
 
 
-def layer_split(update) -> dict:
-    """Bytes of an update inside the decoder layers (per layer) and outside them."""
-    per_layer: dict[int, int] = {}
-    outside = 0
-    for entry_tensors, entry in zip(_entry_tensors(update), update.entries):
-        nbytes = sum(t.numel() * t.element_size() for t in entry_tensors)
-        match = re.search(r"\.layers\.(\d+)\.", entry["target"])
-        if match:
-            per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + nbytes
-        else:
-            outside += nbytes
-    return dict(per_layer=per_layer, outside=outside)
-
-
 def _entry_tensors(update):
     """Each entry's tensors: (B, A) for "lora", (delta,) or (weight,) otherwise."""
     tensors = iter(update.tensors)
@@ -132,9 +125,9 @@ def _entry_tensors(update):
 
 @torch.no_grad()
 def bf16_factor_error(peft_model, engine_dtype: torch.dtype) -> dict:
-    """What casting the factors to bf16 costs: per targeted weight, ``(W + s*B@A).to(engine)`` with fp32 factors
+    """What sending the factors in bf16 changes: per targeted weight, ``(W + s*B@A).to(engine)`` with fp32 factors
     vs with bf16-cast factors (both merged in fp32, as the server does): the share of merged elements that differ,
-    the largest difference, and the relative error of the delta itself."""
+    the largest difference, and the relative difference of the delta itself."""
     update = lora_update(peft_model)
     weights = {name: p for name, p in peft_model.get_base_model().state_dict().items()}
     differ = total = 0
@@ -184,13 +177,15 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
     peft_model = policy(model, args.rank)
     zero_model = policy(model, args.rank, lora_b_std=0.0) if name in args.rollout_models else None
     engine_dtype = getattr(torch, dtype)
-    modes = {"lora_merge": dict(update="lora")}
-    if dtype == "bfloat16":
-        modes["lora_merge_bf16"] = dict(update="lora", wire_dtype="bfloat16")
-    modes["full"] = dict(update="full", wire_dtype=dtype)
     lora = None
     with servers(model, dtype, log_dir / name, None if args.no_adapter else args.rank) as (merge_url, lora_url):
-        merged = ServerEngine(merge_url, model)
+        merged = ServerEngine(merge_url, model, dtype=dtype)  # the recipe's settings for this dtype
+        recipe = dict(update="lora", wire_dtype=merged.wire_dtype, precision_stats=merged.precision_stats)
+        modes = {"lora_merge": recipe}
+        if merged.wire_dtype is not None:
+            modes["lora_merge_no_stats"] = {**recipe, "precision_stats": False}
+            modes["lora_merge_fp32_factors"] = {**recipe, "wire_dtype": None}
+        modes["full"] = dict(update="full", wire_dtype=dtype)
         adapter_engine = ServerEngine(lora_url, model, merge=False) if lora_url else None
         if adapter_engine:
             modes["adapter"] = {}
@@ -221,21 +216,18 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
                     nbytes[mode] = (adapter_dir / "adapter" / "adapter_model.safetensors").stat().st_size
                 else:
                     nbytes[mode] = int(metrics["sync_bytes"])
-                    wire_seconds[mode].append(metrics["sync_seconds"])
-                    if rep == 0 and mode in ("lora_merge", "full"):
+                    wire_seconds[mode].append(merged.transfer.last_sync["sync_seconds"])
+                    if rep == 0 and mode in ("lora_merge", "lora_merge_fp32_factors", "full"):
                         checks[mode] = greedy_logprobs(merged)
 
         if zero_model is not None:  # rollouts need the lora_merge connection and the adapter on the LoRA server
             merged.transfer.shutdown()
-            merged.transfer = LoraMergeTrainer.connect(merge_url, rank=0, num_workers=1)
+            merged.transfer = LoraMergeTrainer.connect(merge_url, rank=0, num_workers=1, **recipe)
             lora = bench_rollout(args, merged, adapter_engine, peft_model, zero_model, version)
         merged.close()
         if adapter_engine:
             adapter_engine.close()
 
-    update_accounting = dict(
-        lora=layer_split(lora_update(peft_model)), full=layer_split(full_update(peft_model, engine_dtype))
-    )
     full_bytes = nbytes["full"]
     result = dict(
         model=model,
@@ -258,15 +250,18 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
             )
             for mode in modes
         },
+        # the full sync merges the fp32 factors as the server does: the same weights, the same greedy log-probs
         full_vs_lora_merge_greedy_logprobs_max_abs_diff=max(
-            abs(x - y) for x, y in zip(checks["lora_merge"], checks["full"])
+            abs(x - y) for x, y in zip(checks.get("lora_merge_fp32_factors", checks["lora_merge"]), checks["full"])
         ),
         greedy_logprobs_compared=len(checks["full"]),
     )
-    if "lora_merge_bf16" in modes:
-        result["lora_merge_bf16_error"] = bf16_factor_error(peft_model, engine_dtype)
-    if name == "qwen3-4b-2layers":
-        result["qwen3_4b_36_layers"] = extrapolate(result, update_accounting, nbytes)
+    if "lora_merge_fp32_factors" in checks:  # bf16 factors: what rounding them changes in the served log-probs
+        result["bf16_vs_fp32_factors_greedy_logprobs_max_abs_diff"] = max(
+            abs(x - y) for x, y in zip(checks["lora_merge"], checks["lora_merge_fp32_factors"])
+        )
+    if merged.wire_dtype == "bfloat16":
+        result["bf16_factors_vs_fp32_factors"] = bf16_factor_error(peft_model, engine_dtype)
     if lora is not None:
         result["rollout"] = lora
     return result
@@ -274,8 +269,10 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
 
 def settings_note(mode: str, settings: dict) -> dict:
     notes = {
-        "lora_merge": "the LoRA factors as trained (fp32) over the gloo group; merged in the server",
-        "lora_merge_bf16": "the factors cast to bf16 before sending; merged in fp32 in the server",
+        "lora_merge": "the recipe's setting: the LoRA factors over the gloo group (in the engine's dtype below fp32), "
+        "merged in fp32 in the server, precision figures below fp32",
+        "lora_merge_no_stats": "as lora_merge, without the precision figures (vllm.sync_precision_stats=false)",
+        "lora_merge_fp32_factors": "as lora_merge, the factors sent in fp32 as trained",
         "full": "the whole merged model in the engine's dtype over the same gloo group and layer-wise reload: "
         "stands in for vLLM's own full-weight transfer (NCCL / CUDA IPC backends, GPU only)",
         "adapter": "vLLM LoRA: the adapter saved as safetensors (bytes: the file), /v1/load_lora_adapter",
@@ -283,29 +280,25 @@ def settings_note(mode: str, settings: dict) -> dict:
     return dict(what=notes[mode], trainer_settings=settings)
 
 
-def extrapolate(result: dict, accounting: dict, nbytes: dict) -> dict:
-    """Qwen3-4B's 36 layers from the 2 measured: bytes exactly, seconds in proportion to the bytes."""
+def extrapolate(one: dict, four: dict) -> dict:
+    """Qwen3-4B's 36 layers from its 1- and 4-layer slices: per mode, bytes and seconds on the line through the two
+    depths (bytes exactly: every layer sends the same, the rest is fixed)."""
     out = dict(
-        how="bytes: the measured per-layer bytes x 36 plus the bytes outside the layers (embeddings, final "
-        "norm); seconds: the measured median x (36-layer bytes / 2-layer bytes), a linear model in the "
-        "bytes that also scales the fixed costs (HTTP, pause/resume), so it overstates lora_merge and "
-        "adapter most",
+        how="per mode, the line through the 1-layer and the 4-layer measurements: "
+        "x(36) = x(1) + 35 * (x(4) - x(1)) / 3, for the bytes (exact) and the median seconds (fixed costs once, "
+        "the per-layer cost 36 times)",
         layers=QWEN3_4B_LAYERS,
         modes={},
     )
-    for mode, measured in result["modes"].items():
-        if mode == "full":
-            split = accounting["full"]
-        elif mode == "adapter":  # the file: every tensor is in a layer, plus a small header
-            split = dict(per_layer={0: nbytes[mode] / 2, 1: nbytes[mode] / 2}, outside=0)
-        else:
-            split = accounting["lora"]
-            if mode == "lora_merge_bf16":
-                split = dict(per_layer={k: v // 2 for k, v in split["per_layer"].items()}, outside=split["outside"])
-        per_layer = statistics.mean(split["per_layer"].values())
-        measured_bytes = sum(split["per_layer"].values()) + split["outside"]
-        total = per_layer * QWEN3_4B_LAYERS + split["outside"]
-        out["modes"][mode] = dict(bytes=int(total), seconds=measured["median_s"] * total / measured_bytes)
+    for mode in four["modes"]:
+        at = {depth: (r["modes"][mode]["bytes"], r["modes"][mode]["median_s"]) for depth, r in ((1, one), (4, four))}
+        per_layer = [(at[4][i] - at[1][i]) / 3 for i in range(2)]
+        out["modes"][mode] = dict(
+            bytes=int(round(at[1][0] + (QWEN3_4B_LAYERS - 1) * per_layer[0])),
+            bytes_per_layer=per_layer[0],
+            seconds=at[1][1] + (QWEN3_4B_LAYERS - 1) * per_layer[1],
+            seconds_per_layer=per_layer[1],
+        )
     full = out["modes"]["full"]
     for mode in out["modes"].values():
         mode["bytes_over_full"] = mode["bytes"] / full["bytes"]
@@ -372,7 +365,9 @@ def bench_rollout(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["small", "qwen3-4b-2layers"], choices=list(MODELS))
+    parser.add_argument(
+        "--models", nargs="+", default=["small", "qwen3-4b-1layer", "qwen3-4b-4layers"], choices=list(MODELS)
+    )
     parser.add_argument("--rollout-models", nargs="*", default=["small"], choices=list(MODELS))
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each sync mode")
@@ -403,18 +398,20 @@ def main() -> None:
                     f"median {r['median_s']:.3f} s ({r['median_s_over_full']:.2f}x full)",
                     flush=True,
                 )
-            for mode, r in result.get("qwen3_4b_36_layers", {}).get("modes", {}).items():
-                print(
-                    f"  36 layers {mode}: {r['bytes'] / 2**30:.3f} GiB ({100 * r['bytes_over_full']:.2f}%), "
-                    f"~{r['seconds']:.2f} s ({r['seconds_over_full']:.2f}x)",
-                    flush=True,
-                )
             if "rollout" in result:
                 r = result["rollout"]
                 print(
                     f"{name} rollout tok/s {r['median_tokens_per_s']}, merged/base {r['merged_over_base']:.3f}",
                     flush=True,
                 )
+    if set(DEPTHS) <= set(out["models"]):
+        out["qwen3_4b_36_layers"] = extrapolate(*(out["models"][name] for name in DEPTHS))
+        for mode, r in out["qwen3_4b_36_layers"]["modes"].items():
+            print(
+                f"36 layers {mode}: {r['bytes'] / 2**30:.3f} GiB ({100 * r['bytes_over_full']:.2f}%), "
+                f"~{r['seconds']:.2f} s ({r['seconds_over_full']:.2f}x)",
+                flush=True,
+            )
     out["wall_s"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))

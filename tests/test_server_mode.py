@@ -86,6 +86,7 @@ def served_vs_merged(engine, peft_model) -> tuple[float, float, list]:
 
 def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
     from grpo.server_engine import ServerEngine
+    from merge.weight_transfer import LoraMergeTrainer
 
     url, model_dir = server
     engine = ServerEngine(url, model_dir)
@@ -96,9 +97,12 @@ def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
     assert sum(len(s.completion_ids) for s in samples) > 10
     base_bytes = sum(p.numel() * 4 for n, p in first.named_parameters() if "lora_" not in n)
     assert 0 < metrics["sync_bytes"] < 0.2 * base_bytes  # the factors, not the model
-    assert metrics["sync_delta_kept"] == pytest.approx(1.0, abs=1e-6)  # fp32: nothing lost in the cast
+    assert not any(name.startswith("sync_delta_") for name in metrics)  # fp32: the recipe measures no precision
 
-    engine.sync_policy(second, None, version=2, rank=0)
+    # a trainer asking for the precision figures gets them from the workers (fp32: nothing lost in the cast)
+    engine.transfer = LoraMergeTrainer.connect(url, rank=0, precision_stats=True)
+    metrics = engine.sync_policy(second, None, version=2, rank=0)
+    assert metrics["sync_delta_kept"] == pytest.approx(1.0, abs=1e-6)
     mean, largest, _ = served_vs_merged(engine, second)
     assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
@@ -121,7 +125,7 @@ def lora_server(tiny_model, tmp_path):
         proc.wait(timeout=60)
 
 
-def test_adapter_mode_serves_the_peft_model_and_a_second_load_replaces_the_first(lora_server, tmp_path):
+def test_adapter_mode_serves_the_peft_model_and_each_load_replaces_the_last(lora_server, tmp_path):
     """lora.merge=false: the saved adapter, loaded with /v1/load_lora_adapter, samples what the peft model computes.
 
     The reference is the unmerged peft model: vLLM's LoRA computes ``x W + (x A) (scale B)`` in fp32 (scale = 2 folded
@@ -150,6 +154,12 @@ def test_adapter_mode_serves_the_peft_model_and_a_second_load_replaces_the_first
     adapters = [m["id"] for m in requests.get(f"{url}/v1/models").json()["data"] if m["parent"]]
     assert adapters == ["policy-2"]  # the first adapter was unloaded
     engine.close()
+
+    resumed = ServerEngine(url, model_dir, merge=False)  # a run resumed after a kill: it never saw policy-2
+    resumed.sync_policy(first, adapter_dir, version=3, rank=0)
+    adapters = [m["id"] for m in requests.get(f"{url}/v1/models").json()["data"] if m["parent"]]
+    assert adapters == ["policy-3"]  # the killed run's adapter was unloaded too
+    resumed.close()
 
 
 KILLED_TRAINER = textwrap.dedent("""
