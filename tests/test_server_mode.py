@@ -11,6 +11,7 @@ log-probs after a load are the peft model's, and a second load replaces the firs
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -235,6 +236,7 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     last checkpoint against the same server re-syncs before its first rollout (server-side seeds come from the
     checkpointed RNG), and its metrics equal an uninterrupted run's, every deterministic key of every line."""
     from peft import PeftModel
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from grpo.server_engine import ServerEngine
@@ -259,6 +261,9 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
         timeout=900,
     )
     assert killed.returncode != 0 and "SIGKILL rank 0 in the weight sync" in killed.stdout, killed.stderr[-5000:]
+    with safe_open(out / "run" / "checkpoint-2" / "adapter_model.safetensors", "pt") as adapter:
+        factor_bytes = sum(math.prod(adapter.get_slice(k).get_shape()) * 4 for k in adapter.keys())  # fp32
+    assert [m["sync_bytes"] for m in expected] == [factor_bytes] * 3  # every sync sends the factors, only them
     assert [m["rollout_step"] for m in read_metrics(out)] == [1, 2]
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
     assert requests.get(f"{url}/is_paused").json()["is_paused"] is False
