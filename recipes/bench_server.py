@@ -110,24 +110,16 @@ def factor_bytes(peft_model) -> int:
 
 
 def layer_split(update) -> dict:
-    """Bytes of an update inside the decoder layers (per layer) and outside them."""
+    """Bytes of an update inside the decoder layers (per layer) and outside them (each tensor sent counted once)."""
     per_layer: dict[int, int] = {}
     outside = 0
-    for entry_tensors, entry in zip(_entry_tensors(update), update.entries):
-        nbytes = sum(t.numel() * t.element_size() for t in entry_tensors)
+    for entry, nbytes in update.sent_bytes():
         match = re.search(r"\.layers\.(\d+)\.", entry["target"])
         if match:
             per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + nbytes
         else:
             outside += nbytes
     return dict(per_layer=per_layer, outside=outside)
-
-
-def _entry_tensors(update):
-    """Each entry's tensors: (B, A) for "lora", (delta,) or (weight,) otherwise."""
-    tensors = iter(update.tensors)
-    for entry in update.entries:
-        yield [next(tensors) for _ in range(2 if entry["kind"] == "lora" else 1)]
 
 
 @torch.no_grad()
@@ -139,7 +131,7 @@ def bf16_factor_error(peft_model, engine_dtype: torch.dtype) -> dict:
     weights = {name: p for name, p in peft_model.get_base_model().state_dict().items()}
     differ = total = 0
     largest = err_sq = delta_sq = 0.0
-    for entry, (b, a) in zip(update.entries, _entry_tensors(update)):
+    for entry, (b, a) in update.by_entry():
         base = weights[entry["target"].replace(".weight", ".base_layer.weight")].float()
         delta = (b.float() @ a.float()) * entry["scale"]
         delta_cast = (b.bfloat16().float() @ a.bfloat16().float()) * entry["scale"]
