@@ -24,9 +24,13 @@ finish leaves the engine serving the previous complete version; the next trainer
 leftovers. Replies (errors, the merge-precision telemetry of `merge.MergePrecisionStats`) come back to the trainer
 over the same group, from the first worker.
 
-LoRA on parameters (``target_parameters``: fused MoE experts) is sent as its delta in checkpoint format (dense,
-one tensor per expert and projection), since the split of a fused expert tensor into checkpoint tensors is
-transformers' conversion, applied to the delta; Linear and Embedding LoRA are sent as factors.
+Linear and Embedding LoRA are sent as their factors. LoRA on parameters (``target_parameters``: fused MoE experts)
+is sent as factors too, one entry per checkpoint tensor (an expert's gate, up or down projection): each such tensor
+is one block of one expert's fused matrix, whose delta is ``B_e @ A_e`` (peft; transposed where the parameter is
+held experts x in x out), so its factors are the block's rows of ``B_e`` and columns of ``A_e``. Which block each
+checkpoint tensor is comes from transformers' own conversion (what ``save_pretrained`` applies), run once per model
+and kind of parameter on index probes; a conversion that does not cut rectangular blocks is refused, naming the
+parameter. A tensor that several entries share (an expert's ``A_e``, in its gate's entry and its up's) is sent once.
 
 ``wire_dtype`` casts what is sent: the recipe sends the factors in its bf16/fp16 ``model.dtype``, the dtype its own
 forward reads them in (FSDP2's ``param_dtype``, autocast in one process), which halves the bytes; the server still
@@ -46,6 +50,8 @@ import re
 import socket
 import threading
 import time
+import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -53,6 +59,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
+from transformers.core_model_loading import revert_weight_conversion
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -184,24 +191,108 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return (full_tensor() if callable(full_tensor) else param).detach()
 
 
-def _parameter_delta(wrapper, adapter: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """peft's ``ParamWrapper.get_delta_weight`` on the gathered factors, in fp32."""
-    a, b, scale = a.float(), b.float(), wrapper.scaling[adapter]
-    if wrapper.num_experts == 1:
-        delta = b @ a
-        return (delta.T if wrapper.fan_in_fan_out else delta) * scale
-    a = a.reshape(wrapper.num_experts, -1, a.shape[-1])  # experts x rank x in
-    b = b.reshape(b.shape[0], -1, wrapper.num_experts)  # out x rank x experts
-    layout = "e o i" if wrapper._did_swap_in_out_features else "e i o"
-    return torch.einsum(f"o r e, e r i -> {layout}", b, a) * scale
+@dataclass(frozen=True)
+class _Block:
+    """Where one checkpoint tensor lies in a fused parameter ``[experts,] rows x cols``: rows ``rows`` and columns
+    ``cols`` (half-open ranges) of expert ``expert``'s matrix, transposed in the checkpoint or not."""
+
+    expert: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    transposed: bool
+
+    @property
+    def shape(self) -> torch.Size:
+        shape = (self.rows[1] - self.rows[0], self.cols[1] - self.cols[0])
+        return torch.Size(shape[::-1] if self.transposed else shape)
+
+
+# base model -> {(parameter name, numbers as "#"; shape): its checkpoint tensors' blocks, in conversion order}
+_LEARNED_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _as_block(rows: torch.Tensor, cols: torch.Tensor | None, fused_rows: int, fused_cols: int) -> _Block | None:
+    """The block that the index probes of `_learn_blocks` came back as in one checkpoint tensor (``rows``: expert *
+    fused_rows + row; ``cols``: column), or None where they are not one rectangular block of one expert."""
+    if cols is None or rows.ndim != 2 or rows.shape != cols.shape or rows.numel() == 0:
+        return None
+    for transposed in (False, True):
+        r, c = (rows.T, cols.T) if transposed else (rows, cols)
+        (n, m), first_row, first_col = r.shape, int(r[0, 0]), int(c[0, 0])
+        expert, row = divmod(first_row, fused_rows)
+        if row + n > fused_rows or first_col + m > fused_cols:
+            continue
+        if torch.equal(r, torch.arange(first_row, first_row + n, dtype=r.dtype)[:, None].expand(n, m)) and torch.equal(
+            c, torch.arange(first_col, first_col + m, dtype=c.dtype).expand(n, m)
+        ):
+            return _Block(expert, (row, row + n), (first_col, first_col + m), transposed)
+    return None
+
+
+def _learn_blocks(base, name: str, shape: torch.Size) -> list[_Block]:
+    """Each checkpoint tensor's block of the fused parameter ``name``, read off transformers' conversion of two
+    index probes (stride-0 views: memory only where the conversion copies)."""
+    experts, fused_rows, fused_cols = (1, *shape) if len(shape) == 2 else shape
+    dtype = torch.int32 if experts * fused_rows < 2**31 and fused_cols < 2**31 else torch.int64
+    rows = torch.arange(experts * fused_rows, dtype=dtype).view(experts, fused_rows, 1).expand(-1, -1, fused_cols)
+    cols = torch.arange(fused_cols, dtype=dtype).view(1, 1, fused_cols).expand(experts, fused_rows, -1)
+    rows, cols = rows.reshape(shape), cols.reshape(shape)  # still views
+    try:
+        reverted_rows = revert_weight_conversion(base, {name: rows})
+        reverted_cols = revert_weight_conversion(base, {name: cols})
+    except Exception as error:
+        raise UnsupportedAdapterError(
+            f"{name}: transformers' conversion to checkpoint tensors failed on index probes ({error}); the "
+            f"{BACKEND} backend cannot send its LoRA as factors"
+        ) from error
+    blocks = []
+    for target, target_rows in reverted_rows.items():
+        block = _as_block(target_rows, reverted_cols.get(target), fused_rows, fused_cols)
+        if block is None:
+            raise UnsupportedAdapterError(
+                f"{name}: its checkpoint tensor {target} is not one rectangular block of one expert's matrix; the "
+                f"{BACKEND} backend cannot send its LoRA as factors"
+            )
+        blocks.append(block)
+    return blocks
+
+
+def _checkpoint_blocks(base, name: str, shape: torch.Size) -> list[tuple[str, torch.Size, _Block]]:
+    """The checkpoint tensors (name, shape, block) that transformers' conversion (what ``save_pretrained`` does)
+    makes of the fused parameter ``name``. The names come from converting a meta tensor; the blocks are learned once
+    per base model and kind of parameter (every layer's experts convert alike)."""
+    targets = revert_weight_conversion(base, {name: torch.empty(shape, device="meta")})
+    learned = _LEARNED_BLOCKS.setdefault(base, {})
+    key = (re.sub(r"\d+", "#", name), tuple(shape))
+    if key not in learned:
+        learned[key] = _learn_blocks(base, name, shape)
+    blocks = learned[key]
+    if [tuple(t.shape) for t in targets.values()] != [tuple(block.shape) for block in blocks]:
+        raise UnsupportedAdapterError(f"{name}: converts to other checkpoint tensors than {key[0]} did")
+    return [(target, tensor.shape, block) for (target, tensor), block in zip(targets.items(), blocks)]
+
+
+_SLOTS = {"lora": ("b", "a"), "weight": ("w",)}  # each kind's tensors, in order
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple:
+    """Equal for views of the same memory alike (an expert's A, in its gate's entry and its up's): sent once."""
+    return (
+        tensor.device,
+        tensor.dtype,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
 
 
 @dataclass
 class LoraUpdate:
     """One update in checkpoint names: ``entries`` describe each targeted base tensor (``kind`` "lora": ``delta =
-    transpose?(B @ A) * scale`` from factors; "delta": the delta itself; "weight": the whole new tensor, for
-    ``update="full"``), ``tensors`` hold the factors/deltas/weights in entry order, ``shapes`` the base tensors'
-    shapes (what the server's checkpoint must hold)."""
+    transpose?(B @ A) * scale`` from factors; "weight": the whole new tensor, for ``update="full"``), ``tensors``
+    hold the factors/weights in entry order (entries may share a tensor: it
+    is sent once), ``shapes`` the base tensors' shapes (what the server's checkpoint must hold)."""
 
     entries: list[dict] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
@@ -212,32 +303,59 @@ class LoraUpdate:
         self.tensors.extend(tensors)
         self.shapes[entry["target"]] = list(shape)
 
-    def packed(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
-        """The entries with each tensor's ``[dtype, offset, shape]`` in its dtype's flat buffer, and the buffers."""
-        chunks: dict[str, list[torch.Tensor]] = {}
-        offsets: dict[str, int] = {}
+    def by_entry(self) -> Iterator[tuple[dict, list[torch.Tensor]]]:
+        """Each entry with its tensors (B, A for "lora")."""
         tensors = iter(self.tensors)
-        entries = []
         for entry in self.entries:
+            yield entry, [next(tensors) for _ in _SLOTS[entry["kind"]]]
+
+    def sent_bytes(self) -> Iterator[tuple[dict, int]]:
+        """Each entry with the bytes it adds to what is sent (none for a tensor an earlier entry sends)."""
+        sent = set()
+        for entry, tensors in self.by_entry():
+            nbytes = 0
+            for tensor in tensors:
+                if _memory_key(tensor) not in sent:
+                    sent.add(_memory_key(tensor))
+                    nbytes += tensor.numel() * tensor.element_size()
+            yield entry, nbytes
+
+    def packed(self) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """The entries with each tensor's ``[dtype, offset, shape]`` in its dtype's flat buffer, and the buffers;
+        entries that share a tensor share its slot."""
+        chunks: dict[str, list[torch.Tensor]] = {}
+        sizes: dict[str, int] = {}
+        slots_by_memory: dict[tuple, list] = {}
+        entries = []
+        for entry, tensors in self.by_entry():
             slots = {}
-            for key in {"lora": ("b", "a"), "delta": ("d",), "weight": ("w",)}[entry["kind"]]:
-                tensor = next(tensors)
-                dtype = str(tensor.dtype).removeprefix("torch.")
-                slots[key] = [dtype, offsets.get(dtype, 0), list(tensor.shape)]
-                offsets[dtype] = offsets.get(dtype, 0) + tensor.numel()
-                chunks.setdefault(dtype, []).append(tensor.reshape(-1))
+            for key, tensor in zip(_SLOTS[entry["kind"]], tensors):
+                memory = _memory_key(tensor)
+                if memory not in slots_by_memory:
+                    dtype = str(tensor.dtype).removeprefix("torch.")
+                    slots_by_memory[memory] = [dtype, sizes.get(dtype, 0), list(tensor.shape)]
+                    sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
+                    chunks.setdefault(dtype, []).append(tensor.reshape(-1))
+                slots[key] = list(slots_by_memory[memory])
             entries.append({**entry, **slots})
         return entries, {dtype: torch.cat(parts) for dtype, parts in chunks.items()}
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        """The bytes sent."""
+        return sum(nbytes for _, nbytes in self.sent_bytes())
 
     def cast(self, dtype: torch.dtype | None) -> LoraUpdate:
-        """The same update with every floating-point tensor cast to ``dtype`` (None: unchanged)."""
+        """The same update with every floating-point tensor cast to ``dtype`` (None: unchanged); a tensor shared by
+        entries stays shared."""
         if dtype is None:
             return self
-        tensors = [t.to(dtype) if t.is_floating_point() else t for t in self.tensors]
+        cast: dict[tuple, torch.Tensor] = {}
+        tensors = []
+        for tensor in self.tensors:
+            if tensor.is_floating_point():
+                tensor = cast.setdefault(_memory_key(tensor), tensor.to(dtype))
+            tensors.append(tensor)
         return LoraUpdate(self.entries, tensors, self.shapes)
 
 
@@ -246,12 +364,12 @@ def lora_update(model) -> LoraUpdate:
     """The active LoRA adapter of a peft model (plain or FSDP2-sharded), in the base checkpoint's names.
 
     A collective under FSDP2: every rank calls it, and every rank gets the full factors (gathered one at a time).
-    Linear/Embedding LoRA: the factors ``B``, ``A`` and peft's scaling. LoRA on parameters (fused MoE experts): the
-    delta, split into checkpoint tensors by transformers' ``revert_weight_conversion`` (what ``save_pretrained``
-    does to the weight).
+    Linear/Embedding LoRA: the factors ``B``, ``A`` and peft's scaling. LoRA on parameters (fused MoE experts):
+    per checkpoint tensor (one expert's gate, up or down projection, as transformers' conversion splits the fused
+    tensor on ``save_pretrained``) the factors of its block of peft's delta: the block's rows of the expert's
+    ``B_e``, the block's columns of its ``A_e`` (gate and up of one expert share ``A_e``, sent once).
     """
     from peft.tuners.lora import LoraLayer, ParamWrapper
-    from transformers.core_model_loading import revert_weight_conversion
 
     adapter = check_supported(model)
     base = model.get_base_model()
@@ -263,11 +381,21 @@ def lora_update(model) -> LoraUpdate:
             if adapter not in module.lora_A:
                 continue
             name = normalize_peft_param_name(f"{module_name}.{module.parameter_name}")
-            delta = _parameter_delta(
-                module, adapter, _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
-            )
-            for target, part in revert_weight_conversion(base, {name: delta}).items():
-                update.add({"target": target, "kind": "delta"}, [part.contiguous()], part.shape)
+            shape = module.get_param().shape
+            # peft (get_delta_weight): expert e's delta is B_e @ A_e (out x in) for a 2-D parameter and a 3-D one
+            # held experts x out x in, its transpose for one held experts x in x out (peft refuses fan_in_fan_out here)
+            product_layout = len(shape) == 2 or module._did_swap_in_out_features
+            a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
+            a = a.reshape(module.num_experts, -1, a.shape[-1])  # experts x rank x in
+            b = b.reshape(b.shape[0], -1, module.num_experts)  # out x rank x experts
+            scale = float(module.scaling[adapter])
+            for target, target_shape, block in _checkpoint_blocks(base, name, shape):
+                b_rows, a_cols = (block.rows, block.cols) if product_layout else (block.cols, block.rows)
+                update.add(
+                    {"target": target, "kind": "lora", "scale": scale, "transpose": block.transposed == product_layout},
+                    [b[slice(*b_rows), :, block.expert], a[block.expert, :, slice(*a_cols)]],
+                    target_shape,
+                )
             continue
         embedding = adapter in getattr(module, "lora_embedding_A", {})
         if not embedding and adapter not in module.lora_A:
@@ -505,13 +633,10 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
             if entry is None:
                 yield name, base.to(self.device, dtype)
                 continue
-            if entry["kind"] == "lora":
-                delta = (view(entry["b"]) @ view(entry["a"])).mul_(entry["scale"])
-                delta = delta.T if entry["transpose"] else delta
-            else:
-                delta = view(entry["d"])
+            delta = (view(entry["b"]) @ view(entry["a"])).mul_(entry["scale"])
+            delta = delta.T if entry["transpose"] else delta
             base = base.to(self.device)
-            if stats is None and entry["kind"] == "lora" and not entry["transpose"]:  # the product's own buffer
+            if stats is None and not entry["transpose"]:  # the product's own buffer
                 merged = delta.add_(base).to(dtype)
             else:
                 merged = (base.float() + delta).to(dtype)

@@ -116,13 +116,6 @@ def factor_bytes(peft_model) -> int:
     return sum(p.numel() * p.element_size() for name, p in peft_model.named_parameters() if "lora_" in name)
 
 
-def _entry_tensors(update):
-    """Each entry's tensors: (B, A) for "lora", (delta,) or (weight,) otherwise."""
-    tensors = iter(update.tensors)
-    for entry in update.entries:
-        yield [next(tensors) for _ in range(2 if entry["kind"] == "lora" else 1)]
-
-
 @torch.no_grad()
 def bf16_factor_error(peft_model, engine_dtype: torch.dtype) -> dict:
     """What sending the factors in bf16 changes: per targeted weight, ``(W + s*B@A).to(engine)`` with fp32 factors
@@ -132,7 +125,7 @@ def bf16_factor_error(peft_model, engine_dtype: torch.dtype) -> dict:
     weights = {name: p for name, p in peft_model.get_base_model().state_dict().items()}
     differ = total = 0
     largest = err_sq = delta_sq = 0.0
-    for entry, (b, a) in zip(update.entries, _entry_tensors(update)):
+    for entry, (b, a) in update.by_entry():
         base = weights[entry["target"].replace(".weight", ".base_layer.weight")].float()
         delta = (b.float() @ a.float()) * entry["scale"]
         delta_cast = (b.bfloat16().float() @ a.bfloat16().float()) * entry["scale"]

@@ -3,8 +3,9 @@
 For each case: build a LoRA model (same weights on every rank), shard it with fully_shard (each decoder layer,
 then the root; with the case's MixedPrecisionPolicy), take an optimizer step, then check that
 merged_lora_params equals peft's merge_and_unload() of an unsharded copy with the same parameters, as
-save_pretrained writes it (names, dtypes, values: bit-exact in bf16), that the local shards are bitwise
-unchanged, and that training still runs afterwards.
+save_pretrained writes it (names, dtypes, values: bit-exact in bf16), that the lora_merge backend's update
+(`merge.weight_transfer.lora_update`) equals the unsharded copy's, that the local shards are bitwise unchanged,
+and that training still runs afterwards.
 """
 
 import copy
@@ -19,6 +20,7 @@ from torchrun import finish_worker
 from transformers.core_model_loading import revert_weight_conversion
 
 from merge import merged_lora_params
+from merge.weight_transfer import lora_update
 
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CASES = {  # name: (model builder, FSDP2 mixed precision policy or None)
@@ -52,6 +54,9 @@ def check_case(name: str, build, mp_policy, rank: int) -> None:
         for param_name, param in reference.named_parameters():
             param.copy_(full[param_name])
     rounded = copy.deepcopy(reference)  # what the merge would give from factors all-gathered in bf16
+    sent, sent_unsharded = lora_update(model), lora_update(reference)  # the lora_merge backend's factors
+    assert sent.entries == sent_unsharded.entries and sent.nbytes == sent_unsharded.nbytes, name
+    assert all(torch.equal(a, b) for a, b in zip(sent.tensors, sent_unsharded.tensors)), name
     expected = saved_merge(reference)
 
     got = dict(merged_lora_params(model))

@@ -13,7 +13,7 @@ from qwen3_moe_lora import EXPERTS, tiny_moe_lora, tiny_qwen3_moe
 from safetensors.torch import load_file
 from torchrun import torchrun, vllm_worker
 
-from merge import merged_lora_params
+from merge import merged_lora_params, normalize_peft_param_name
 from merge.vllm_compat import has_fused_experts, vllm_unservable_lora_targets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,3 +141,94 @@ def test_vllm_serves_the_merged_moe(tmp_path):
     # vLLM 0.32's plain reload_weights leaves CPU expert weights unpacked (merge/vllm_compat.py). If this fails,
     # vLLM repacks them itself now: reload_vllm_weights' repair can go.
     assert not errors["plain_reload_weights_error"] <= 1e-5
+
+
+def converted_deltas(model, convert) -> dict[str, torch.Tensor]:
+    """peft's delta of every LoRA on parameters, in checkpoint tensors by ``convert`` (transformers' conversion)."""
+    from peft.tuners.lora import ParamWrapper
+
+    deltas = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            fused = normalize_peft_param_name(f"{name}.{module.parameter_name}")
+            deltas.update(convert(model.get_base_model(), {fused: module.get_delta_weight("default")}))
+    return deltas
+
+
+def served_deltas(update) -> dict[str, torch.Tensor]:
+    """The deltas a lora_merge worker computes from an update's packed factors (as ``_merged`` does)."""
+    entries, buffers = update.packed()
+    deltas = {}
+    for entry in entries:
+        b, a = (
+            buffers[dtype][offset : offset + torch.Size(shape).numel()].view(shape)
+            for dtype, offset, shape in (entry["b"], entry["a"])
+        )
+        deltas[entry["target"]] = ((b @ a).T if entry["transpose"] else b @ a) * entry["scale"]
+    return deltas
+
+
+def test_lora_merge_sends_expert_lora_as_factors(monkeypatch):
+    """The ``lora_merge`` backend's update (merge/weight_transfer.py) for LoRA on the fused experts and the router:
+    per checkpoint tensor, the delta the server computes from the sent factors equals peft's delta converted by
+    transformers (what was sent dense before), bit for bit in fp32, also under another conversion (halves of an
+    expert's rows, one transposed); what is sent is the factors (an expert's A once for gate and up), about a
+    seventh of the dense deltas here; a conversion that does not cut blocks is refused, naming the parameter."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    import merge.weight_transfer as weight_transfer
+    from merge import UnsupportedAdapterError
+
+    model = get_peft_model(
+        tiny_qwen3_moe(),
+        LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["mlp.gate.weight", *EXPERTS]),
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    base = model.get_base_model()
+    dense = converted_deltas(model, revert_weight_conversion)
+    update = weight_transfer.lora_update(model)
+    served = served_deltas(update)
+    assert set(served) == set(dense) and len(dense) == 2 * (8 * 3 + 1)
+    assert all(torch.equal(served[name], delta) for name, delta in dense.items())
+
+    factor_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    expert_factor_bytes = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n and ".experts." in n
+    )
+    expert_bytes = sum(nbytes for entry, nbytes in update.sent_bytes() if ".experts." in entry["target"])
+    expert_dense_bytes = sum(t.numel() * t.element_size() for name, t in dense.items() if ".experts." in name)
+    assert update.nbytes == sum(b.numel() * b.element_size() for b in update.packed()[1].values()) == factor_bytes
+    assert expert_bytes == expert_factor_bytes < expert_dense_bytes / 6
+    assert update.cast(torch.bfloat16).nbytes == update.nbytes // 2  # a shared A stays shared
+    assert len(weight_transfer._LEARNED_BLOCKS[base]) == 3  # learned once per kind of parameter, not per layer
+    with monkeypatch.context() as patch:
+        patch.setattr(weight_transfer, "_learn_blocks", None)  # and never again for this model
+        assert weight_transfer.lora_update(model).entries == update.entries
+
+    def halves(base, tensors):  # each expert's rows in two halves, the second transposed; other tensors as they are
+        ((name, tensor),) = tensors.items()
+        if ".experts." not in name:
+            return tensors
+        half = tensor.shape[1] // 2
+        return {
+            f"{name}.{e}.{part}": block
+            for e in range(tensor.shape[0])
+            for part, block in (("first", tensor[e, :half]), ("second", tensor[e, half:].T))
+        }
+
+    monkeypatch.setattr(weight_transfer, "revert_weight_conversion", halves)
+    weight_transfer._LEARNED_BLOCKS.pop(base)
+    served, dense = served_deltas(weight_transfer.lora_update(model)), converted_deltas(model, halves)
+    assert set(served) == set(dense) and all(torch.equal(served[name], delta) for name, delta in dense.items())
+
+    def columns_reversed(base, tensors):
+        ((name, tensor),) = tensors.items()
+        return {f"{name}.{e}": tensor[e].flip(-1) for e in range(tensor.shape[0])} if ".experts." in name else tensors
+
+    monkeypatch.setattr(weight_transfer, "revert_weight_conversion", columns_reversed)
+    weight_transfer._LEARNED_BLOCKS.pop(base)
+    with pytest.raises(UnsupportedAdapterError, match=r"experts\.\w+_proj: its checkpoint tensor .* rectangular block"):
+        weight_transfer.lora_update(model)
