@@ -33,6 +33,16 @@ server=$!
 until curl -sf http://127.0.0.1:8011/health > /dev/null; do kill -0 $server; sleep 2; done
 "${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8011 run_name=tiny-cpu-server
 kill $server; wait $server || true
+# the same in bf16, as the precision set's runs (the factors travel in bf16): results/precision/bf16-server
+VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model cache/tiny-qwen3-gsm8k \
+    --host 127.0.0.1 --port 8011 --dtype bfloat16 --enforce-eager --max-model-len 160 --kv-cache-memory-bytes 268435456 \
+    --enable-scale-out --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs \
+    --no-enable-prefix-caching --max-num-batched-tokens 16384 > "${TMPDIR:-/tmp}/bf16-server.serve.log" 2>&1 &
+server=$!
+until curl -sf http://127.0.0.1:8011/health > /dev/null; do kill -0 $server; sleep 2; done
+"${launch[@]}" "${tiny[@]}" model.dtype=bfloat16 max_steps=80 output_dir=results/precision run_name=bf16-server \
+    vllm.mode=server vllm.server_url=http://127.0.0.1:8011
+kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml --output_dir results
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
