@@ -24,13 +24,15 @@ class MergePrecisionStats:
     everywhere, e.g. peft's initial ``B = 0``).
 
     Meant for a target dtype below fp32 (bf16/fp16 engines), though it measures whatever dtype is yielded (with fp32 it
-    only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor reduced in fp32 by
-    ``torch.dot``, accumulated in float64) so that the merge never waits on the device; :meth:`metrics` reads them (one
-    sync). Under FSDP2 every rank merges the unsharded (full) layer, so every rank accumulates the same sums and no
-    reduction is needed. Accumulates across calls until :meth:`reset`.
+    only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor, or per chunk of
+    ``CPU_CHUNK`` elements on CPU, reduced in fp32 by ``torch.dot``, accumulated in float64) so that the merge never
+    waits on the device; :meth:`metrics` reads them (one sync). Under FSDP2 every rank merges the unsharded (full)
+    layer, so every rank accumulates the same sums and no reduction is needed. Accumulates across calls until
+    :meth:`reset`.
     """
 
     FIELDS = ("dot", "delta_sq", "err_sq", "nonzero", "zeroed")  # Σ⟨d,Δ⟩, Σ‖Δ‖², Σ‖d−Δ‖², #(Δ≠0), #(Δ≠0, d=0)
+    CPU_CHUNK = 1 << 18  # elements (1 MiB in fp32)
 
     def __init__(self) -> None:
         self.sums: torch.Tensor | None = None  # float64 [len(FIELDS)], on the device of the first merged tensor
@@ -44,9 +46,26 @@ class MergePrecisionStats:
     def add(self, base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> None:
         """Account one merged tensor: ``base`` = cast(W) (the weight without the update, in the yielded dtype),
         ``delta`` = Δ, ``merged`` = cast(W + Δ) (what is yielded)."""
-        delta = delta.detach().reshape(-1).float()
-        moved = merged.detach().reshape(-1).to(torch.float32, copy=True)  # one fresh fp32 buffer: d, then d − Δ
-        moved.sub_(base.detach().reshape(-1))  # in fp32 (a bf16 base is upcast exactly)
+        base, delta, merged = (t.detach().reshape(-1) for t in (base, delta, merged))
+        # on CPU in cache-sized chunks: each chunk's passes then read memory once (2.5x faster on a Qwen3-4B MLP
+        # weight); on a GPU in one piece (few kernels, no chunk loop)
+        step = max(1, self.CPU_CHUNK if delta.device.type == "cpu" else delta.numel())
+        rows = [
+            self._sums(base[start : start + step], delta[start : start + step].float(), merged[start : start + step])
+            for start in range(0, delta.numel(), step)
+        ]
+        row = torch.stack(rows).sum(0) if rows else torch.zeros(len(self.FIELDS), dtype=torch.float64)
+        if self.sums is None:
+            self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=row.device)
+        self.sums += row.to(self.sums.device)
+        self.entries += delta.numel()
+        self.tensors += 1
+
+    @staticmethod
+    def _sums(base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        """``FIELDS`` of one flat piece, float64 (the dots in fp32)."""
+        moved = merged.to(torch.float32, copy=True)  # one fresh fp32 buffer: d, then d − Δ
+        moved.sub_(base)  # in fp32 (a bf16 base is upcast exactly)
         dot, delta_sq = torch.dot(moved, delta), torch.dot(delta, delta)
         # Δ = 0 leaves an entry as it was (cast(W + 0) = cast(W)), so {d ≠ 0} ⊂ {Δ ≠ 0} and the entries that
         # Δ ≠ 0 leaves unmoved number count(Δ ≠ 0) − count(d ≠ 0)
@@ -54,12 +73,7 @@ class MergePrecisionStats:
         counts = torch.stack([nonzero, nonzero - torch.count_nonzero(moved)])
         err = moved.sub_(delta)
         sums = torch.stack([dot, delta_sq, torch.dot(err, err)])
-        row = torch.cat([sums.to(torch.float64), counts.to(torch.float64)])
-        if self.sums is None:
-            self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=row.device)
-        self.sums += row.to(self.sums.device)
-        self.entries += delta.numel()
-        self.tensors += 1
+        return torch.cat([sums.to(torch.float64), counts.to(torch.float64)])
 
     def totals(self) -> dict[str, float]:
         """The raw float64 sums (``FIELDS``; zeros before any merged tensor), with ``entries`` and ``tensors``."""

@@ -211,6 +211,20 @@ def test_precision_stats_undefined_without_an_update_and_accumulate_until_reset(
     assert twice.entries == 0 and math.isnan(twice.metrics()["sync_delta_kept"])
 
 
+def test_precision_stats_in_chunks_equal_one_piece(monkeypatch):
+    """On CPU the sums run in chunks of CPU_CHUNK elements: chunks that split every tensor unevenly give the counts
+    exactly and the sums to float rounding."""
+    _, whole = merged_with_stats(tiny_lora())
+    monkeypatch.setattr(MergePrecisionStats, "CPU_CHUNK", 1000)  # 64 x 64 weights: 5 chunks, the last 96 elements
+    _, chunked = merged_with_stats(tiny_lora())
+    got, want = chunked.totals(), whole.totals()
+    assert want["nonzero"] > 0 and 0 < want["zeroed"] < want["nonzero"]  # a case with something to count
+    assert {k: got[k] for k in ("nonzero", "zeroed", "entries", "tensors")} == {
+        k: want[k] for k in ("nonzero", "zeroed", "entries", "tensors")
+    }
+    assert got == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.parametrize("model_dtype, adapter_autocast", [(torch.float32, True), (torch.bfloat16, False)])
 def test_precision_stats_cover_moe_experts(model_dtype, adapter_autocast):
     """LoRA on parameters (fused experts): the merged expert tensors are measured too, outputs unchanged."""
