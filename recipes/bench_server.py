@@ -210,7 +210,7 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
                 else:
                     nbytes[mode] = int(metrics["sync_bytes"])
                     wire_seconds[mode].append(merged.transfer.last_sync["sync_seconds"])
-                    if rep == 0 and mode in ("lora_merge", "lora_merge_fp32_factors", "full"):
+                    if rep == 0 and mode in ("lora_merge_fp32_factors" if merged.wire_dtype else "lora_merge", "full"):
                         checks[mode] = greedy_logprobs(merged)
 
         if zero_model is not None:  # rollouts need the lora_merge connection and the adapter on the LoRA server
@@ -243,16 +243,14 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
             )
             for mode in modes
         },
-        # the full sync merges the fp32 factors as the server does: the same weights, the same greedy log-probs
+        # lora_merge with fp32 factors (the full sync merges those, as the server does): the same weights, the same
+        # greedy log-probs. (With bf16 factors, 7% of the merged weights move by one ulp, and on a random model's
+        # near-uniform logits a greedy path can then branch: no token-by-token comparison.)
         full_vs_lora_merge_greedy_logprobs_max_abs_diff=max(
-            abs(x - y) for x, y in zip(checks.get("lora_merge_fp32_factors", checks["lora_merge"]), checks["full"])
+            abs(x - y) for mode, logprobs in checks.items() if mode != "full" for x, y in zip(logprobs, checks["full"])
         ),
         greedy_logprobs_compared=len(checks["full"]),
     )
-    if "lora_merge_fp32_factors" in checks:  # bf16 factors: what rounding them changes in the served log-probs
-        result["bf16_vs_fp32_factors_greedy_logprobs_max_abs_diff"] = max(
-            abs(x - y) for x, y in zip(checks["lora_merge"], checks["lora_merge_fp32_factors"])
-        )
     if merged.wire_dtype == "bfloat16":
         result["bf16_factors_vs_fp32_factors"] = bf16_factor_error(peft_model, engine_dtype)
     if lora is not None:
