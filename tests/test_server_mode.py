@@ -435,6 +435,25 @@ def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_
     engine.close()
 
 
+def test_pristine_base_is_the_checkpoint_in_the_engine_dtype(tiny_model):
+    """The base the server merges into is the base it serves and the trainer computes with in the same model.dtype:
+    an fp32 checkpoint served in bf16 merges into bf16-rounded W (as the colocated merge does), not into fp32 W."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from merge.weight_transfer import _pristine_base
+
+    checkpoint = load_file(str(Path(tiny_model) / "model.safetensors"))
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    assert checkpoint[q_proj].dtype == torch.float32
+    engine = SimpleNamespace(model=tiny_model, revision=None, dtype=torch.bfloat16)
+    base = _pristine_base(engine, {q_proj: list(checkpoint[q_proj].shape)}, torch.device("cpu"))
+    # q_proj's layer-mates (k, v: vLLM's qkv_proj) come along, each the checkpoint's tensor rounded to bf16
+    assert {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"} <= set(base)
+    assert all(torch.equal(tensor, checkpoint[name].to(torch.bfloat16)) for name, tensor in base.items())
+
+
 def test_memory_plan_in_server_mode_counts_no_vllm_memory_on_training_devices():
     from grpo.config import load_config
     from grpo.memory_plan import memory_plan
