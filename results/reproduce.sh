@@ -48,7 +48,7 @@ kill $server; wait $server || true
     --out results/grpo_metrics.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \
     results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-server --out results/grpo_variants.png
-.venv/bin/python recipes/plot_metrics.py results/precision/{fp32,bf16,fp16}-{merge,lora} --out results/grpo_precision.png
+.venv/bin/python recipes/plot_metrics.py results/precision/{fp32,bf16,fp16}-{merge,lora} results/precision/bf16-server --out results/grpo_precision.png
 .venv/bin/python recipes/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
 .venv/bin/python recipes/bench_sync.py --out results/bench_sync.json
 .venv/bin/python recipes/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
