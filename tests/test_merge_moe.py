@@ -90,7 +90,8 @@ def test_fused_layout_is_gate_then_up_without_transpose():
             assert torch.equal(got[f"{prefix}.{e}.down_proj.weight"], down[e])
 
 
-def test_router_merged_when_targeted(tmp_path):
+def router_and_experts_lora():
+    """The tiny MoE with LoRA on its router and both expert tensors, lora_B drawn non-zero."""
     model = get_peft_model(
         tiny_qwen3_moe(),
         LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["mlp.gate.weight", *EXPERTS]),
@@ -99,6 +100,11 @@ def test_router_merged_when_targeted(tmp_path):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.1)
+    return model
+
+
+def test_router_merged_when_targeted(tmp_path):
+    model = router_and_experts_lora()
     got = merged(model)
     assert_same(got, saved_merge(model, tmp_path))
     assert not torch.equal(
@@ -179,14 +185,7 @@ def test_lora_merge_sends_expert_lora_as_factors(monkeypatch):
     import merge.weight_transfer as weight_transfer
     from merge import UnsupportedAdapterError
 
-    model = get_peft_model(
-        tiny_qwen3_moe(),
-        LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["mlp.gate.weight", *EXPERTS]),
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.1)
+    model = router_and_experts_lora()
     base = model.get_base_model()
     dense = converted_deltas(model, revert_weight_conversion)
     update = weight_transfer.lora_update(model)

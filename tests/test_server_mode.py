@@ -9,6 +9,7 @@ second server. lora.merge=false, one test with a second server of its own (vLLM'
 log-probs after a load are the peft model's, and a second load replaces the first adapter, name and weights.
 """
 
+import contextlib
 import copy
 import json
 import math
@@ -29,17 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    """``vllm serve`` on the embedded model with the lora_merge backend; yields (url, model path)."""
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = serve(tiny_model, log_path, kv_cache_bytes=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=8192)
+@contextlib.contextmanager
+def serving(model: str, log_path: Path, **options):
+    """A ``vllm serve`` subprocess on ``model`` (`bench_common.serve`), small enough for the tests; yields (url,
+    model path) once it answers, stops it after."""
+    proc, url = serve(
+        model, log_path, kv_cache_bytes=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=8192, **options
+    )
     try:
         wait_until_up(proc, url, log_path)
-        yield url, tiny_model
+        yield url, model
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """``vllm serve`` on the embedded model with the lora_merge backend; yields (url, model path)."""
+    with serving(tiny_model, tmp_path_factory.mktemp("server") / "server.log") as running:
+        yield running
 
 
 def policy(model_dir: str, seed: int):
@@ -114,16 +124,8 @@ def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
 def lora_server(tiny_model, tmp_path):
     """``vllm serve`` on the embedded model with vLLM's LoRA serving (lora.merge=false); yields (url, model path).
     Function-scoped: one test uses it, and it stops as soon as that test ends."""
-    log_path = tmp_path / "lora_server.log"
-    proc, url = serve(
-        tiny_model, log_path, lora_rank=8, kv_cache_bytes=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=8192
-    )
-    try:
-        wait_until_up(proc, url, log_path)
-        yield url, tiny_model
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with serving(tiny_model, tmp_path / "lora_server.log", lora_rank=8) as running:
+        yield running
 
 
 def test_adapter_mode_serves_the_peft_model_and_each_load_replaces_the_last(lora_server, tmp_path):
