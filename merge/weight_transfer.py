@@ -23,8 +23,10 @@ own (gloo on CPU, NCCL on GPU; rank 0 = trainer, ranks 1.. = workers), driven th
 Atomicity: the worker only buffers the factors while an update is under way; the model changes in
 ``finish_weight_update`` and only when every buffer of the update arrived. A trainer that dies between start and
 finish leaves the engine serving the previous complete version; the next trainer to connect discards the
-leftovers. Replies (errors, the merge-precision telemetry of `merge.MergePrecisionStats`) come back to the trainer
-over the same group, from the first worker.
+leftovers. A worker waiting for a dead trainer's factors fails at once: over gloo its receive sees the connection
+close; over NCCL, whose waits do not block the host, it polls the collective and watches the store the trainer
+hosts, and aborts the group when the store closes (`_wait`). Replies (errors, the merge-precision telemetry of
+`merge.MergePrecisionStats`) come back to the trainer over the same group, from the first worker.
 
 Linear and Embedding LoRA are sent as their factors. LoRA on parameters (``target_parameters``: fused MoE experts)
 is sent as factors too, one entry per checkpoint tensor (an expert's gate, up or down projection): each such tensor
@@ -52,6 +54,7 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -111,21 +114,29 @@ def register() -> None:
 
 
 def _open_group(host: str, port: int, rank: int, world_size: int, transport: str, timeout_s: float):
-    """A torch.distributed group of its own (no global state), on a TCPStore that rank 0 (the trainer) hosts."""
+    """A torch.distributed group of its own (no global state), on a TCPStore that rank 0 (the trainer) hosts.
+    Returns the group and the store: a worker watches the store to tell a dead trainer over NCCL (`_wait`)."""
     timeout = timedelta(seconds=timeout_s)
     store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefix = torch.distributed.PrefixStore(BACKEND, store)
     if transport == "gloo":
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-        return ProcessGroupGloo(prefix, rank, world_size, timeout)
+        return ProcessGroupGloo(prefix, rank, world_size, timeout), prefix
     if transport == "nccl":
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return ProcessGroupNCCL(prefix, rank, world_size, options)
+        return ProcessGroupNCCL(prefix, rank, world_size, options), prefix
     raise ValueError(f"{BACKEND}: transport={transport!r} is not one of 'gloo' (CPU), 'nccl' (GPU)")
+
+
+def _close_group(group, transport: str) -> None:
+    """NCCL: abort the group's communicators (never waits on a peer that may be gone); gloo closes with its last
+    reference."""
+    if group is not None and transport == "nccl":
+        group.abort()
 
 
 def _broadcast(group, tensor: torch.Tensor):
@@ -138,17 +149,46 @@ def _wire_device(transport: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
 
 
-def _send_reply(group, transport: str, reply: dict) -> None:
-    """First worker -> trainer: a JSON reply (length, then bytes)."""
-    data = torch.tensor(list(json.dumps(reply).encode()), dtype=torch.uint8, device=_wire_device(transport))
-    group.send([torch.tensor([data.numel()], dtype=torch.int64, device=data.device)], 0, _REPLY_TAG).wait()
-    group.send([data], 0, _REPLY_TAG).wait()
+def _trainer_alive(store) -> bool:
+    """The trainer's rank 0 hosts the group's store: once it dies, any call on the store fails at once."""
+    try:
+        store.check(["alive"])
+    except torch.distributed.DistError:
+        return False
+    return True
 
 
-def _wait(work, pending_call, what: str) -> None:
-    """Wait for ``work`` while watching the HTTP call that makes the server's side of it: a call that failed first
-    means the server will never reach the collective. (gloo's ``is_completed`` only moves inside ``wait``, so the
-    wait runs on a daemon thread, left behind in that case until the group's timeout.)"""
+def _wait(work, what: str, *, transport: str, group=None, pending_call=None, trainer_store=None) -> None:
+    """Wait for ``work``, failing fast when the other side can no longer take part: on the trainer, the HTTP call
+    that makes the server's side of the collective failed (``pending_call``); on a worker, the trainer died
+    (``trainer_store``, NCCL only).
+
+    gloo: ``wait()`` blocks and fails as soon as a peer's connection closes (a dead trainer). Its ``is_completed``
+    only moves inside ``wait``, so with a call to watch the wait runs on a daemon thread, left behind in that case
+    until the group's timeout.
+    NCCL: ``wait()`` does not block the host: it orders the current CUDA stream after the collective. A stream
+    ordered after a collective that never completes holds back every later kernel on it (a worker's generation),
+    until the NCCL watchdog ends the process at the group's timeout. So the host polls ``is_completed()`` first,
+    aborts the group when the other side is gone, and orders the stream only after a completed collective."""
+    if transport == "nccl":
+        probe_at = 0.0
+        while not work.is_completed():
+            failure = None
+            if pending_call is not None and pending_call.done() and pending_call.exception() is not None:
+                failure = f"the server's call failed: {pending_call.exception()}"
+            elif trainer_store is not None and time.monotonic() >= probe_at:
+                probe_at = time.monotonic() + 1.0
+                if not _trainer_alive(trainer_store):
+                    failure = "the trainer is gone (its store closed); the update is discarded"
+            if failure is not None:
+                group.abort()
+                raise WeightTransferError(f"{what}: {failure}")
+            time.sleep(0.001)
+        work.wait()
+        return
+    if pending_call is None:
+        work.wait()
+        return
     done, errors = threading.Event(), []
 
     def run():
@@ -161,19 +201,32 @@ def _wait(work, pending_call, what: str) -> None:
 
     threading.Thread(target=run, daemon=True).start()
     while not done.wait(0.01):
-        if pending_call is not None and pending_call.done() and pending_call.exception() is not None:
+        if pending_call.done() and pending_call.exception() is not None:
             raise WeightTransferError(f"{what}: the server's call failed: {pending_call.exception()}")
     if errors:
         raise errors[0]
 
 
 def _recv_reply(group, transport: str, pending_call, what: str) -> dict:
+    """Trainer <- first worker: a JSON reply (length, then bytes)."""
     device = _wire_device(transport)
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    _wait(group.recv([size], 1, _REPLY_TAG), pending_call, what)
+    _wait(group.recv([size], 1, _REPLY_TAG), what, transport=transport, group=group, pending_call=pending_call)
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _wait(group.recv([data], 1, _REPLY_TAG), pending_call, what)
+    _wait(group.recv([data], 1, _REPLY_TAG), what, transport=transport, group=group, pending_call=pending_call)
     return json.loads(bytes(data.cpu().tolist()).decode())
+
+
+def _local_address_towards(host: str | None) -> str:
+    """This machine's address on the route to ``host``: where the server's workers reach the trainer's rank 0 (the
+    loopback for a server on this machine, the interface towards it for one on another node). A UDP ``connect``
+    only picks the route; nothing is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host or "127.0.0.1", 9))
+        except OSError:
+            return "127.0.0.1"
+        return s.getsockname()[0]
 
 
 def _free_port(host: str) -> int:
@@ -539,6 +592,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
+        self.trainer_store = None  # the store the trainer's rank 0 hosts: its liveness (NCCL, `_wait`)
         self.transport = "gloo"
         self.is_first_worker = False
         self.base: dict[str, torch.Tensor] = {}
@@ -554,7 +608,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.transport = init_info.transport
         self.precision_stats = init_info.precision_stats
         self.is_first_worker = rank == 1
-        self.group = _open_group(
+        self.group, self.trainer_store = _open_group(
             init_info.master_address,
             init_info.master_port,
             rank,
@@ -577,9 +631,21 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
             }
         )
 
+    @property
+    def wire_device(self) -> torch.device:
+        return self.device if self.transport == "nccl" else torch.device("cpu")
+
+    def _wait(self, work, what: str) -> None:
+        _wait(work, f"{BACKEND} {what}", transport=self.transport, group=self.group, trainer_store=self.trainer_store)
+
     def _reply(self, reply: dict) -> None:
-        if self.is_first_worker:
-            _send_reply(self.group, self.transport, reply)
+        """First worker -> trainer: a JSON reply (length, then bytes)."""
+        if not self.is_first_worker:
+            return
+        data = torch.tensor(list(json.dumps(reply).encode()), dtype=torch.uint8, device=self.wire_device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.wire_device)
+        self._wait(self.group.send([size], 0, _REPLY_TAG), "reply")
+        self._wait(self.group.send([data], 0, _REPLY_TAG), "reply")
 
     def start_weight_update(self) -> None:
         self.pending = None  # the model itself is untouched until finish_weight_update
@@ -593,8 +659,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.pending = None
         buffers = {}
         for dtype, numel in update_info.buffers.items():
-            buffer = torch.empty(numel, dtype=getattr(torch, dtype), device=_wire_device(self.transport))
-            _broadcast(self.group, buffer).wait()
+            buffer = torch.empty(numel, dtype=getattr(torch, dtype), device=self.wire_device)
+            self._wait(_broadcast(self.group, buffer), "update")
             buffers[dtype] = buffer
         self.pending = (update_info.entries, buffers)  # every buffer arrived: the update is complete
 
@@ -649,7 +715,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
     def shutdown(self) -> None:
         self.pending = None
         self.base = {}
-        self.group = None  # the group closes with its last reference
+        _close_group(self.group, self.transport)
+        self.group = self.trainer_store = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -747,12 +814,13 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
     @classmethod
     def connect(cls, url_or_llm, *, rank: int, timeout: float = 600.0, **settings) -> LoraMergeTrainer:
         """A trainer engine driving the server at a URL through vLLM's HTTP RL routes (`HTTPPausingWeightSyncClient`),
-        or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it."""
-        client = (
-            HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout)
-            if isinstance(url_or_llm, str)
-            else LLMWeightSyncClient(url_or_llm)
-        )
+        or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it. The server's
+        workers reach rank 0 at this machine's address on the route to the server (``master_address`` overrides)."""
+        if isinstance(url_or_llm, str):
+            client = HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout)
+            settings.setdefault("master_address", _local_address_towards(urllib.parse.urlparse(url_or_llm).hostname))
+        else:
+            client = LLMWeightSyncClient(url_or_llm)
         return cls(client=client, init_info=LoraMergeTrainerInitInfo(rank=rank, timeout_s=timeout, **settings))
 
     def _connect(self, targets: dict[str, list[int]]) -> None:
@@ -774,7 +842,9 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             call = pool.submit(self.client.init_weight_transfer_engine, worker_info)
-            self.group = _open_group(info.master_address, port, 0, 1 + info.num_workers, info.transport, info.timeout_s)
+            self.group, _ = _open_group(
+                info.master_address, port, 0, 1 + info.num_workers, info.transport, info.timeout_s
+            )
             reply = _recv_reply(self.group, info.transport, call, f"{BACKEND} init")
             if not reply["ok"]:
                 raise WeightTransferError(reply["error"])
@@ -811,16 +881,17 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             raise WeightTransferError(f"{BACKEND}: the adapter's targets changed since the first sync")
         entries, buffers = update.packed()
         info = LoraMergeUpdateInfo(entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})
-        device = _wire_device(self.init_info.transport)
+        transport = self.init_info.transport
         self._start()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             call = pool.submit(self.client.update_weights, asdict(info))
             for buffer in buffers.values():
-                _wait(_broadcast(self.group, buffer.to(device)), call, f"{BACKEND} update")
+                work = _broadcast(self.group, buffer.to(_wire_device(transport)))
+                _wait(work, f"{BACKEND} update", transport=transport, group=self.group, pending_call=call)
             call.result()
             call = pool.submit(self.client.finish_weight_update, weight_version)
-            reply = _recv_reply(self.group, self.init_info.transport, call, f"{BACKEND} finish")
+            reply = _recv_reply(self.group, transport, call, f"{BACKEND} finish")
             if not reply["ok"]:
                 raise WeightTransferError(reply["error"])
             call.result()
@@ -835,4 +906,5 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         return stats.metrics()
 
     def shutdown(self) -> None:
-        self.group = None  # the group closes with its last reference
+        _close_group(self.group, self.init_info.transport)
+        self.group = None

@@ -1,0 +1,121 @@
+"""The lora_merge wire over NCCL, on CPU: a model of the contract of torch's ``ProcessGroupNCCL`` work, and the real
+TCPStore that the trainer's rank 0 hosts.
+
+``ProcessGroupNCCL``'s ``Work.wait()`` does not block the host: it makes the current CUDA stream wait for the
+collective's end event (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ``WorkNCCL::synchronizeStream``), and
+``is_completed()`` queries that event without blocking. A worker whose stream waits on a broadcast from a dead
+trainer holds back every later kernel (its generation) until the NCCL watchdog ends the process. The server-mode
+tests run the same code over gloo, whose ``wait()`` blocks and fails at once when the trainer's connection closes.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from datetime import timedelta
+
+import pytest
+import torch
+
+
+class NcclWork:
+    """``WorkNCCL``'s contract: ``wait()`` returns at once (it orders the stream), ``is_completed()`` polls."""
+
+    def __init__(self, complete_after_s: float | None = None):
+        self.completed, self.stream_ordered = False, False
+        if complete_after_s is not None:
+            threading.Timer(complete_after_s, setattr, (self, "completed", True)).start()
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self) -> bool:
+        self.stream_ordered = True
+        return True
+
+
+class NcclGroup:
+    def __init__(self):
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.fixture
+def trainer_store():
+    """A worker's client of the store that a trainer process hosts, and a function that SIGKILLs that trainer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import datetime, time, torch; store = torch.distributed.TCPStore('127.0.0.1', {port}, 2, True, "
+            "timeout=datetime.timedelta(seconds=60)); time.sleep(120)",
+        ]
+    )
+    client = torch.distributed.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))
+    yield torch.distributed.PrefixStore("lora_merge", client), lambda: (trainer.kill(), trainer.wait())
+    trainer.kill()
+    trainer.wait()
+
+
+def test_a_worker_waiting_for_a_dead_trainer_over_nccl_aborts_without_ordering_its_stream(trainer_store):
+    from merge.weight_transfer import WeightTransferError, _wait
+
+    store, kill_trainer = trainer_store
+    group, finished = NcclGroup(), NcclWork(complete_after_s=0.2)
+    _wait(finished, "update", transport="nccl", group=group, trainer_store=store)  # a live trainer: it completes
+    assert finished.stream_ordered and not group.aborted
+
+    kill_trainer()
+    hung = NcclWork()  # the broadcast of the dead trainer's factors never completes
+    start = time.monotonic()
+    with pytest.raises(WeightTransferError, match="the trainer is gone"):
+        _wait(hung, "lora_merge update", transport="nccl", group=group, trainer_store=store)
+    assert time.monotonic() - start < 10  # not the group's timeout (600 s)
+    assert group.aborted  # the NCCL kernel is cancelled, the communicator released
+    assert not hung.stream_ordered  # generation on the worker's stream is not held behind it
+
+
+def test_a_worker_keeps_no_update_of_a_trainer_that_died_mid_broadcast(trainer_store, monkeypatch):
+    import merge.weight_transfer as weight_transfer
+    from merge.weight_transfer import LoraMergeUpdateInfo, LoraMergeWeightTransferEngine, WeightTransferError
+
+    store, kill_trainer = trainer_store
+    worker = object.__new__(LoraMergeWeightTransferEngine)  # the wire only: no vLLM model behind it
+    worker.transport, worker.device, worker.trainer_store = "nccl", torch.device("cpu"), store
+    worker.group = NcclGroup()
+    works = [NcclWork(complete_after_s=0.0), NcclWork()]  # the fp32 buffer arrives, the bf16 one never does
+    monkeypatch.setattr(weight_transfer, "_broadcast", lambda group, tensor: works.pop(0))
+    kill_trainer()
+    with pytest.raises(WeightTransferError, match="the trainer is gone"):
+        worker.receive_weights(LoraMergeUpdateInfo(entries=[], buffers={"float32": 8, "bfloat16": 8}))
+    assert worker.pending is None  # finish_weight_update changes nothing: the server keeps its last version
+    assert worker.group.aborted
+
+
+def test_the_trainer_stops_waiting_when_the_servers_call_fails_over_nccl():
+    from merge.weight_transfer import WeightTransferError, _wait
+
+    call = Future()
+    call.set_exception(RuntimeError("500 Internal Server Error for /update_weights"))
+    group, hung = NcclGroup(), NcclWork()
+    with pytest.raises(WeightTransferError, match="lora_merge update: the server's call failed: 500"):
+        _wait(hung, "lora_merge update", transport="nccl", group=group, pending_call=call)
+    assert group.aborted and not hung.stream_ordered
+
+
+def test_the_workers_reach_the_trainer_at_its_address_on_the_route_to_the_server():
+    from merge.weight_transfer import _local_address_towards
+
+    assert _local_address_towards("127.0.0.1") == "127.0.0.1"
+    assert _local_address_towards("localhost") == "127.0.0.1"
+    own = socket.gethostbyname(socket.gethostname())  # a server on another node: the interface towards it
+    assert _local_address_towards(own) == own
