@@ -147,6 +147,11 @@ class VLLMSettings:
         range="an http(s):// URL (http://127.0.0.1:8000)",
         check=lambda v: v.startswith(("http://", "https://")),
     )
+    server_base_on_device: bool = setting(
+        False,
+        "vllm.mode=server, merge=true: the server keeps its pristine copy of the targeted base weights on its "
+        "own devices (no host-to-device copy per sync, as much more device memory) rather than in host memory",
+    )
     kv_cache_gb: float = setting(
         2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)", range="> 0"
     )

@@ -31,7 +31,7 @@ device. The terms (per device, bytes):
 
 vllm.mode=server: the engine runs on the server's devices, so none of the vLLM terms count on a training device;
 the plan gives the server's own (``server``: its weights, the pristine copy of the targeted base weights that the
-lora_merge backend keeps, in host memory by default, KV cache and runtime).
+lora_merge backend keeps, in host memory unless vllm.server_base_on_device, KV cache and runtime).
 
 Phases: sync (shard + LoRA/AdamW + vLLM weights + sync copies), rollout (shard + LoRA/AdamW + vLLM weights + KV
 cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + unsharded root + activations, plus vLLM's
@@ -159,7 +159,8 @@ def memory_plan(
     server = None
     if cfg.vllm.mode == "server":
         server = {name: terms[name] for name in ("vLLM weights", "KV cache", "vLLM runtime")}
-        server["pristine base (host)"] = counts["targeted"] * weight_bytes
+        where = "device" if cfg.vllm.server_base_on_device else "host"
+        server[f"pristine base ({where})"] = counts["targeted"] * weight_bytes
         # a server sync gathers LoRA factors only (no base weights unsharded, no engine here to rebuild a layer)
         terms.update(
             {name: 0.0 for name in ("vLLM weights", "KV cache", "vLLM runtime", "vLLM CUDA graphs", "sync copies")}

@@ -78,6 +78,7 @@ class ServerEngine:
         rank: int = 0,
         dtype: str = "float32",
         precision_stats: bool = True,
+        base_on_device: bool = False,
         timeout: float = 600.0,
     ):
         import requests
@@ -89,6 +90,7 @@ class ServerEngine:
         # in fp32 either way. The precision figures measure the cast of the merged weights: below fp32 only.
         self.wire_dtype = dtype if dtype in ("bfloat16", "float16") else None
         self.precision_stats = precision_stats and self.wire_dtype is not None
+        self.base_on_device = base_on_device  # the server's pristine base on its devices (default: host memory)
         self.check_server(self.url, model, merge)
         self.http = requests.Session()
         self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
@@ -107,6 +109,7 @@ class ServerEngine:
             rank=rank,
             dtype=cfg.model.dtype,
             precision_stats=cfg.vllm.sync_precision_stats,
+            base_on_device=cfg.vllm.server_base_on_device,
         )
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
@@ -194,6 +197,7 @@ class ServerEngine:
                 transport="nccl" if torch.cuda.is_available() else "gloo",
                 wire_dtype=self.wire_dtype,
                 precision_stats=self.precision_stats,
+                base_on_device=self.base_on_device,
             )
         if self.rank != 0:
             self.transfer.send_weights(model)  # the gather is a collective

@@ -317,7 +317,8 @@ class FakeServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self.reply(200, {"data": [{"id": "served"}]} if self.path == "/v1/models" else {})
+                answers = {"/v1/models": {"data": [{"id": "served"}]}, "/get_world_size": {"world_size": 1}}
+                self.reply(200, answers.get(self.path, {}))
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
@@ -406,6 +407,40 @@ def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
         fake.stop()
 
 
+def test_the_recipes_server_settings_reach_the_lora_merge_trainer(tokenizer_dir, monkeypatch):
+    from grpo.config import load_config
+    from grpo.server_engine import ServerEngine
+    from merge.weight_transfer import LoraMergeTrainer
+
+    sent = []
+
+    def send_weights(trainer, model, weight_version=None):
+        sent.append((trainer.init_info, weight_version))
+        trainer.last_sync = {"sync_bytes": 1.0}
+        return {}
+
+    monkeypatch.setattr(LoraMergeTrainer, "send_weights", send_weights)
+    fake = FakeServer(backend=True)
+    try:
+        overrides = [f"vllm.server_url={fake.url}", f"model.name_or_path={tokenizer_dir}", "model.dtype=bfloat16"]
+        cfg = load_config(ROOT / "recipes" / "configs" / "tiny_cpu.yaml", ["vllm.mode=server", *overrides])
+        for on_device in (False, True):
+            cfg.vllm.server_base_on_device = on_device
+            engine = ServerEngine.from_config(cfg, rank=0, world=1, device_type="cpu")
+            assert engine.sync_policy(None, None, version=4, rank=0) == {"sync_bytes": 1.0}
+            info, version = sent[-1]
+            assert info.base_on_device is on_device and version == "4"
+            assert (info.wire_dtype, info.transport, info.num_workers, info.master_address) == (
+                "bfloat16",
+                "gloo",
+                1,
+                "127.0.0.1",
+            )
+            engine.close()
+    finally:
+        fake.stop()
+
+
 def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_dir):
     from vllm import SamplingParams
 
@@ -471,3 +506,7 @@ def test_memory_plan_in_server_mode_counts_no_vllm_memory_on_training_devices():
     weights, pristine = server["server"]["vLLM weights"], server["server"]["pristine base (host)"]
     assert 0.5 * weights < pristine < weights
     assert server["phases"]["rollout"] < colocate["phases"]["rollout"]
+    on_device = memory_plan(
+        qwen3_4b_config(), load_config(config, ["vllm.mode=server", "vllm.server_base_on_device=true"]), world=4
+    )
+    assert on_device["server"]["pristine base (device)"] == pristine and on_device["terms"] == server["terms"]
