@@ -882,12 +882,13 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         entries, buffers = update.packed()
         info = LoraMergeUpdateInfo(entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})
         transport = self.init_info.transport
+        device = _wire_device(transport)
         self._start()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             call = pool.submit(self.client.update_weights, asdict(info))
             for buffer in buffers.values():
-                work = _broadcast(self.group, buffer.to(_wire_device(transport)))
+                work = _broadcast(self.group, buffer.to(device))
                 _wait(work, f"{BACKEND} update", transport=transport, group=self.group, pending_call=call)
             call.result()
             call = pool.submit(self.client.finish_weight_update, weight_version)

@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from bench_common import free_port
 
 
 class NcclWork:
@@ -49,9 +50,7 @@ class NcclGroup:
 @pytest.fixture
 def trainer_store():
     """A worker's client of the store that a trainer process hosts, and a function that SIGKILLs that trainer."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     trainer = subprocess.Popen(
         [
             sys.executable,
