@@ -132,45 +132,16 @@ class LoraSettings:
 
 @dataclass
 class VLLMSettings:
-    """The vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them)."""
+    """The vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them), grouped as TRL's
+    ``GRPOConfig`` groups them: by the mode they apply to."""
 
+    # -- both modes ----------------------------------------------------------------------------------------------
     mode: str = setting(
         "colocate",
         "colocate: one in-process engine per training rank; server: a separate `vllm serve` "
-        "at server_url, synced with LoRA-sized transfers (docs/server.md); the settings that size "
-        "an engine below are colocate's",
+        "at server_url, synced with LoRA-sized transfers (docs/server.md)",
         choices=("colocate", "server"),
     )
-    server_url: str = setting(
-        "http://127.0.0.1:8000",
-        "vllm.mode=server: the server's address",
-        range="an http(s):// URL (http://127.0.0.1:8000)",
-        check=lambda v: v.startswith(("http://", "https://")),
-    )
-    server_base_on_device: bool = setting(
-        False,
-        "vllm.mode=server, merge=true: the server keeps its pristine copy of the targeted base weights on its "
-        "own devices (no host-to-device copy per sync, as much more device memory) rather than in host memory",
-    )
-    kv_cache_gb: float = setting(
-        2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)", range="> 0"
-    )
-    gpu_memory_utilization: float = setting(
-        0.3, "GPU only: vLLM needs this share of the GPU free at start (TRL's default)", range="in (0, 1]"
-    )
-    enable_sleep_mode: bool = setting(
-        False, "GPU only: release weights and KV cache while the trainer updates (as TRL)"
-    )
-    enforce_eager: bool = setting(True, "no CUDA graphs / compilation")
-    max_num_seqs: int | None = setting(
-        None,
-        "sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL sizes it)",
-        range=">= 1",
-    )
-    max_num_batched_tokens: int = setting(
-        4096, "tokens per engine step (TRL's value; at least max_model_len)", range=">= 1"
-    )
-    max_lora_rank: int | None = setting(None, "merge=false: defaults to lora.r", choices=VLLM_LORA_RANKS)
     max_logprob_diff: float | None = setting(
         None,
         "stop when the mean |vLLM - trainer| old log-prob exceeds this "
@@ -184,6 +155,50 @@ class VLLMSettings:
         "of the merged weights (sync_delta_* metrics)",
     )
     sync: bool = setting(True, "false only to prove that a skipped sync is detected")
+
+    # -- the engine's size: used when mode is colocate (a server is sized by its own flags; in server mode the -----
+    # -- memory plan counts the server with these, python -m grpo.memory_plan) -----------------------------------
+    kv_cache_gb: float = setting(
+        2.0,
+        "colocate: explicit KV-cache size (vLLM's own sizing fails on small CPU machines); server: the memory plan's "
+        "estimate of the server's",
+        range="> 0",
+    )
+    gpu_memory_utilization: float = setting(
+        0.3, "colocate, GPU only: vLLM needs this share of the GPU free at start (TRL's default)", range="in (0, 1]"
+    )
+    enable_sleep_mode: bool = setting(
+        False, "colocate, GPU only: release weights and KV cache while the trainer updates (as TRL)"
+    )
+    enforce_eager: bool = setting(
+        True, "colocate: no CUDA graphs / compilation; server: as the memory plan counts the server"
+    )
+    max_num_seqs: int | None = setting(
+        None,
+        "colocate: sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL "
+        "sizes it); server: as the memory plan counts the server",
+        range=">= 1",
+    )
+    max_num_batched_tokens: int = setting(
+        4096,
+        "colocate: tokens per engine step (TRL's value; at least max_model_len); server: as the memory plan counts "
+        "the server",
+        range=">= 1",
+    )
+    max_lora_rank: int | None = setting(None, "colocate, merge=false: defaults to lora.r", choices=VLLM_LORA_RANKS)
+
+    # -- only used when mode is server ---------------------------------------------------------------------------
+    server_url: str = setting(
+        "http://127.0.0.1:8000",
+        "server: the server's address",
+        range="an http(s):// URL (http://127.0.0.1:8000)",
+        check=lambda v: v.startswith(("http://", "https://")),
+    )
+    server_base_on_device: bool = setting(
+        False,
+        "server, merge=true: the server keeps its pristine copy of the targeted base weights on its "
+        "own devices (no host-to-device copy per sync, as much more device memory) rather than in host memory",
+    )
 
 
 @dataclass

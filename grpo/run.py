@@ -26,7 +26,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from grpo.checkpointing import check_resumable, list_checkpoints, load_checkpoint, resolve_checkpoint
 from grpo.config import ConfigError, RecipeConfig, config_to_dict
 from grpo.data import check_reward_columns, held_out_problems, load_problems, load_reward_funcs, tokenize_prompts
-from grpo.engine import Engine
+from grpo.engines.build import prepare_engine
+from grpo.engines.colocated import check_vllm_lora_targets
+from grpo.engines.interface import Engine
 from grpo.faults import LogprobGuard
 from grpo.loss import LossSettings
 from grpo.loss_scaling import DynamicLossScale
@@ -40,8 +42,6 @@ from grpo.parallel import (
     fsdp_settings,
     init_distributed,
 )
-from grpo.rollout_engine import RolloutEngine, check_vllm_lora_targets, recipe_llm_kwargs
-from grpo.server_engine import ServerEngine
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
@@ -74,7 +74,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    engine: Engine  # RolloutEngine (vllm.mode=colocate) or ServerEngine (vllm.mode=server)
+    engine: Engine  # ColocatedEngine (vllm.mode=colocate) or ServerEngine (vllm.mode=server): prepare_engine
     trackers: Trackers
     eval_problems: list[dict]
     loss_settings: LossSettings
@@ -310,13 +310,8 @@ def setup(cfg: RecipeConfig) -> Run:
             "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)"
         )
     rank, world, device = init_distributed()
-    # the engine's arguments, built once: refuses what vLLM cannot do here (or a server that is not there), before
-    # any work
-    if cfg.vllm.mode == "server":
-        ServerEngine.check_server(cfg.vllm.server_url, cfg.model.name_or_path, merge=cfg.lora.merge)
-        llm_kwargs = None
-    else:
-        llm_kwargs = recipe_llm_kwargs(cfg, rank=rank, world=world, device_type=device.type)
+    # refuses what the engine cannot do here (or a server that is not there), before any work
+    start_engine = prepare_engine(cfg, rank=rank, world=world, device_type=device.type)
     named_dir = Path(cfg.output_dir) / cfg.run_name
     resume = resolve_checkpoint(cfg.resume_from_checkpoint, named_dir) if cfg.resume_from_checkpoint else None
     if resume is None:  # a new run never writes over an earlier run's checkpoints
@@ -361,10 +356,7 @@ def setup(cfg: RecipeConfig) -> Run:
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_rollout_steps * updates_per_rollout))
-    if cfg.vllm.mode == "server":
-        engine = ServerEngine.from_config(cfg, rank=rank, world=world, device_type=device.type)
-    else:
-        engine = RolloutEngine.from_config(cfg, llm_kwargs)
+    engine = start_engine()
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
         load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
         log.info("resumed from %s: continuing at rollout step %d of %d", resume, resumed + 1, num_rollout_steps)

@@ -179,6 +179,52 @@ def _holds_build(out_dir: Path, args: dict) -> bool:
     return info_path.exists() and json.loads(info_path.read_text()).get("args") == args
 
 
+def _warm_up(model, tokenizer, train: list[dict], *, steps: int, batch_size: int, lr: float, size: str):
+    """The supervised warm-up: AdamW (one-cycle schedule) on the answer tokens of ``train``; returns the last loss."""
+    from tqdm.auto import tqdm
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(1, steps), pct_start=0.1)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in (bar := tqdm(range(steps), desc=f"warm-up {size}")):
+        rows = [_encode_example(tokenizer, r) for r in train[step * batch_size : (step + 1) * batch_size]]
+        width = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        for i, (ids, prompt_len) in enumerate(rows):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])  # loss on the answer only
+        loss = model(
+            input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels
+        ).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return loss
+
+
+def _save_atomically(model, tokenizer, info: dict, out_dir: Path) -> None:
+    """Write the model, its tokenizer (left padding) and ``build_info.json`` to a temporary sibling folder, then
+    rename it to ``out_dir``."""
+    from transformers import GenerationConfig
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(tmp)
+    tokenizer.padding_side = "left"
+    tokenizer.save_pretrained(tmp)
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+
+
 def build_tiny_model(
     out_dir: str | Path,
     size: str = "tiny",
@@ -197,9 +243,6 @@ def build_tiny_model(
     ``out_dir`` whose ``build_info.json`` has the same arguments is reused. Written atomically (temporary
     sibling folder, then rename). ``build=False``: another process builds it; wait until it has.
     """
-    from tqdm.auto import tqdm
-    from transformers import GenerationConfig
-
     if size not in SIZES and size not in MOE_SIZES:
         raise ValueError(f"size={size!r} is not one of {sorted(SIZES | MOE_SIZES)}")
     out_dir = Path(out_dir)
@@ -234,30 +277,8 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         rope_theta=10000.0,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=learning_rate, total_steps=max(1, warmup_steps), pct_start=0.1
-    )
     train = with_slips(make_problems(warmup_steps * batch_size, seed=seed + 1), slip_rate, seed=seed + 3)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for step in (bar := tqdm(range(warmup_steps), desc=f"warm-up {size}")):
-        rows = [_encode_example(tokenizer, r) for r in train[step * batch_size : (step + 1) * batch_size]]
-        width = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        for i, (ids, prompt_len) in enumerate(rows):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            labels[i, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])  # loss on the answer only
-        loss = model(
-            input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels
-        ).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+    loss = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate, size=size)
 
     held_out = make_problems(128, seed=seed + 2)
     info = dict(
@@ -268,17 +289,7 @@ def build_tiny_model(
         sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=seed),
         build_seconds=round(time.perf_counter() - start, 1),
     )
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    model.save_pretrained(tmp)
-    tokenizer.padding_side = "left"
-    tokenizer.save_pretrained(tmp)
-    (tmp / "build_info.json").write_text(json.dumps(info, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    _save_atomically(model, tokenizer, info, out_dir)
     torch.set_num_threads(threads)
     return str(out_dir)
 

@@ -7,12 +7,18 @@ unquantized MoE expert weights for its grouped-GEMM kernel only on the first loa
 exists), so after a plain ``reload_weights`` the kernel reads unpacked weights as packed ones: log-probs change,
 but to wrong values (0.03 off with unchanged weights on the tiny MoE). Dense models are not affected.
 
+``reload_vllm_weights_audited(llm, weights)``: the same push, with vLLM's own account of it read from its log
+(`PushAudit`): ``audit.check(...)`` raises `WeightPushError` when a module with weights of its own got none or only
+part of them, or a parameter was never loaded (the engine would serve stale weights).
+
 ``vllm_unservable_lora_targets(model, device_type)``: the LoRA targets vLLM 0.32 cannot serve unmerged (as a
 ``LoRARequest``), for a recipe to refuse ``lora.merge=false`` naming them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +29,10 @@ from merge.layers import normalize_peft_param_name
 
 __all__ = [
     "reload_vllm_weights",
+    "reload_vllm_weights_audited",
+    "PushAudit",
+    "WeightPushError",
+    "classes_without_own_weights",
     "in_process_model",
     "vllm_unservable_lora_targets",
     "has_fused_experts",
@@ -75,6 +85,87 @@ def reload_vllm_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> Non
     """
     llm.collective_rpc(reload_repacking_cpu_experts, kwargs=dict(weights_iterator=weights))
     llm.reset_prefix_cache()
+
+
+class WeightPushError(RuntimeError):
+    """vLLM's modules did not all receive a tensor in a weight push; the engine would serve stale weights."""
+
+
+# vLLM's in-place reload reports, in its log, each layer that got no tensor ("<Class>: Failed to load weights",
+# falling back to the layer's old weights), got only part of them ("<Class>: Delayed processing", at debug level)
+# and each parameter never loaded ("Following weights were not loaded from checkpoint: {...}").
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+# Embeddings are padded to a multiple of 64 rows (vLLM's vocab padding), which no checkpoint fills.
+_PADDED_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}
+
+
+class PushAudit(logging.Filter):
+    """Collects vLLM's account of one reload from its log records; the records themselves stay quiet."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty, self.partial, self.not_loaded = set(), set(), set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.endswith(": Failed to load weights"):
+            self.empty.add(record.args[0])
+        elif message.endswith(": Delayed processing"):
+            self.partial.add(record.args[0])
+        elif message.startswith("Following weights were not loaded from checkpoint"):
+            self.not_loaded.update(record.args[0])
+        else:
+            return record.levelno >= logging.INFO  # the per-tensor progress lines we asked for stay quiet
+        return False  # reported by `check` as an error, or known to be benign
+
+    def check(self, weightless_classes: set[str]) -> None:
+        """Raise `WeightPushError` unless every module with weights of its own (``weightless_classes``: those
+        without, `classes_without_own_weights`) received all of them and every parameter was loaded."""
+        empty = sorted(self.empty - weightless_classes)
+        partial = sorted(self.partial - _PADDED_CLASSES)
+        if empty or partial or self.not_loaded:
+            raise WeightPushError(
+                f"the weight push left vLLM serving stale weights: parameters never loaded {sorted(self.not_loaded)}; "
+                f"layers that received no tensor {empty}; layers that received only part of theirs {partial}. "
+                "The pushed names must be the model's checkpoint names (as save_pretrained writes them)"
+            )
+
+    @contextlib.contextmanager
+    def watching(self):
+        loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.addFilter(self)
+            logger.setLevel(logging.DEBUG)  # "Delayed processing" is a debug record
+        try:
+            yield self
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.removeFilter(self)
+                logger.setLevel(level)
+
+
+def classes_without_own_weights(worker) -> list[str]:
+    """In a vLLM worker: classes of the model's modules that hold no parameter of their own (only buffers, such as
+    a rotary embedding, or only parameters shared with an earlier module, such as a tied lm_head)."""
+    seen, modules = set(), {}
+    for module in worker.get_model().modules():
+        params = list(module.parameters(recurse=False))
+        fresh = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        modules.setdefault(type(module).__name__, []).append(bool(fresh))
+    own_weights = {name for name, flags in modules.items() if any(flags)}
+    return sorted(set(modules) - own_weights)
+
+
+def reload_vllm_weights_audited(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> PushAudit:
+    """`reload_vllm_weights`, with vLLM's account of the reload collected (`PushAudit.check` judges it)."""
+    with PushAudit().watching() as audit:
+        reload_vllm_weights(llm, weights)
+    return audit
 
 
 def has_fused_experts(model: torch.nn.Module) -> bool:

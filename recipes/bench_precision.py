@@ -15,7 +15,7 @@ On fixed token sequences (random ids, every position scored at temperature 1), f
 
 - ``reference``: fp32, W + Δ exact (peft's fp32 forward of the bf16-grid W and the fp32 LoRA); and W alone;
 - ``vllm_merged``: a vLLM engine in that dtype serving ``cast(W + Δ)``, pushed by the recipe's sync
-  (`RolloutEngine.sync_merged`, which also reports `sync_delta_kept`/`_rel_err`/`_zeroed`);
+  (`ColocatedEngine.sync_merged`, which also reports `sync_delta_kept`/`_rel_err`/`_zeroed`);
 - ``vllm_adapter``: a vLLM engine in that dtype serving W and the adapter through a ``LoRARequest``;
 - ``trainer``: W in that dtype, fp32 LoRA, ``torch.autocast`` in that dtype (the recipe on one process);
 - ``merged_weights_fp32_compute``: the pushed ``cast(W + Δ)`` in an fp32 forward: what the merge's cast alone
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from bench_common import ALL_LINEAR, machine_info
 
-from grpo.rollout_engine import RolloutEngine
+from grpo.engines.colocated import ColocatedEngine
 from merge import merged_lora_params
 
 MODES = ("vllm_merged", "vllm_adapter", "trainer", "merged_weights_fp32_compute")
@@ -123,7 +123,7 @@ def score_prompts_with_lora_on_cpu() -> None:
     PunicaWrapperCPU.add_lora_logits = add_lora_logits
 
 
-def vllm_logprobs(engine: RolloutEngine, ids: torch.Tensor, lora_request=None) -> torch.Tensor:
+def vllm_logprobs(engine: ColocatedEngine, ids: torch.Tensor, lora_request=None) -> torch.Tensor:
     """vLLM's prompt log-probs of the same positions, [N, T-1]."""
     from vllm import SamplingParams, TokensPrompt
 
@@ -193,8 +193,8 @@ def bench_model(name: str, args) -> dict:
             kv_cache_gb=args.kv_cache_gb,
             max_num_seqs=args.sequences,
         )
-        merged = RolloutEngine.for_model(model_dir, precision_stats=True, **common)
-        with_lora = RolloutEngine.for_model(model_dir, merge=False, max_lora_rank=args.rank, **common)
+        merged = ColocatedEngine.for_model(model_dir, precision_stats=True, **common)
+        with_lora = ColocatedEngine.for_model(model_dir, merge=False, max_lora_rank=args.rank, **common)
         trainer_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         base = dict(
             vllm_merged=vllm_logprobs(merged, ids),

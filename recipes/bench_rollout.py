@@ -2,9 +2,9 @@
 
     python recipes/bench_rollout.py --sizes tiny small --dtypes float32 bfloat16 --out results/bench_rollout.json
 
-For each model size and dtype, two of the recipe's engines (`rollout_engine.RolloutEngine`) live in this
+For each model size and dtype, two of the recipe's engines (`grpo.engines.colocated.ColocatedEngine`) live in this
 process: one built as for lora.merge=true, which serves the base weights and then the merged weights (pushed
-by the recipe's own sync, `RolloutEngine.sync_merged`), and one built as for lora.merge=false, which serves
+by the recipe's own sync, `ColocatedEngine.sync_merged`), and one built as for lora.merge=false, which serves
 the same adapter through a `LoRARequest`. The three modes run in
 interleaved repetitions on the same prompts with the same sampling (`ignore_eos`, so every mode generates the
 same number of tokens); the table reports median tokens/s and the ratios merged/base and merged/LoRA, against
@@ -26,7 +26,7 @@ import torch
 from bench_common import machine_info, with_random_lora
 from transformers import AutoModelForCausalLM
 
-from grpo.rollout_engine import RolloutEngine
+from grpo.engines.colocated import ColocatedEngine
 from grpo.tiny_gsm8k import MOE_SIZES, build_tiny_model, format_prompt, make_problems
 
 MOE_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -44,7 +44,7 @@ def base_checkpoint(model_dir: str) -> dict:
     }
 
 
-def timed_generate(engine: RolloutEngine, prompts, sampling) -> tuple[int, float]:
+def timed_generate(engine: ColocatedEngine, prompts, sampling) -> tuple[int, float]:
     start = time.perf_counter()
     samples = engine.generate(prompts, sampling)
     return sum(len(s.completion_ids) for s in samples), time.perf_counter() - start
@@ -71,8 +71,8 @@ def bench(size: str, dtype: str, args) -> dict:
     )
     peft_model.save_pretrained(adapter_dir)
     common = dict(dtype=dtype, seed=0, max_model_len=512, kv_cache_gb=args.kv_cache_gb)
-    plain = RolloutEngine.for_model(model_dir, **common)  # the recipe's engine, as merge=true builds it
-    with_lora = None if moe else RolloutEngine.for_model(model_dir, **common, merge=False, max_lora_rank=args.rank)
+    plain = ColocatedEngine.for_model(model_dir, **common)  # the recipe's engine, as merge=true builds it
+    with_lora = None if moe else ColocatedEngine.for_model(model_dir, **common, merge=False, max_lora_rank=args.rank)
     base_weights = [(name, tensor.to(getattr(torch, dtype))) for name, tensor in base_checkpoint(model_dir).items()]
     if with_lora:
         with_lora.serve_adapter(adapter_dir, 1)

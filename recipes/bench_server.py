@@ -61,7 +61,7 @@ import torch
 from bench_common import ALL_LINEAR, machine_info, serve, wait_until_up, with_random_lora
 from transformers import AutoModelForCausalLM
 
-from grpo.server_engine import ServerEngine
+from grpo.engines.server import ServerEngine
 from grpo.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
 from merge.weight_transfer import LoraMergeTrainer, lora_update
 

@@ -8,10 +8,10 @@ phase with glibc's default malloc, as the recipe runs, and a memory phase with `
 tensors; it also makes every large allocation page-fault, which slows syncs ~2x, hence two launches). In
 each, every rank builds the same LoRA Qwen3 (``grpo/tiny_gsm8k.py``, non-zero lora_B), shards it with
 ``fully_shard`` per decoder layer then the root (the recipe's ``parallel.apply_fsdp``), and builds the recipe's
-``RolloutEngine`` (in-process vLLM, one per rank). Every method ends in the engine's push,
-``RolloutEngine.push_weights`` (``collective_rpc("reload_weights", ...)``); ours is the recipe's sync itself:
+``ColocatedEngine`` (in-process vLLM, one per rank). Every method ends in the engine's push,
+``ColocatedEngine.push_weights`` (``collective_rpc("reload_weights", ...)``); ours is the recipe's sync itself:
 
-  merged_lora_params  ours, ``RolloutEngine.sync_merged``: each decoder layer unshard() -> W + scaling*(B@A) out of
+  merged_lora_params  ours, ``ColocatedEngine.sync_merged``: each decoder layer unshard() -> W + scaling*(B@A) out of
                       place -> reshard()
   plain_push          the floor: the same layer-by-layer unshard()/copy/reshard() walk, base weights
                       unmerged (what any layer-wise sync of an FSDP2 model costs; differs from ours only
@@ -61,7 +61,7 @@ from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, wit
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from grpo.rollout_engine import RolloutEngine
+from grpo.engines.colocated import ColocatedEngine
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params, normalize_peft_param_name
 from merge.trl import merged_lora_weights, push_merged_lora_to_llm
 
@@ -149,8 +149,8 @@ def iterator(method: str, model: PeftModel, dtype: torch.dtype):
     raise ValueError(method)
 
 
-def sync(engine: RolloutEngine, method: str, model: PeftModel) -> None:
-    """Push ``model`` into ``engine`` the way ``method`` does; ours is the recipe's own `RolloutEngine.sync_merged`."""
+def sync(engine: ColocatedEngine, method: str, model: PeftModel) -> None:
+    """Push ``model`` into ``engine`` the way ``method`` does; ours is the recipe's `ColocatedEngine.sync_merged`."""
     if method == "merged_lora_params":
         SYNC_OF_THE_RECIPE(engine, model)
     elif method == "trl_integration":
@@ -159,7 +159,7 @@ def sync(engine: RolloutEngine, method: str, model: PeftModel) -> None:
         engine.push_weights(iterator(method, model, engine.dtype))
 
 
-SYNC_OF_THE_RECIPE = RolloutEngine.sync_merged
+SYNC_OF_THE_RECIPE = ColocatedEngine.sync_merged
 
 
 # ----------------------------------------------------------------------------- measurement helpers
@@ -204,7 +204,7 @@ def worker(args) -> None:
     apply_fsdp(model, param_dtype=dtype)
 
     # The recipe's engine (merge=true): in-process per rank, external_launcher.
-    engine = RolloutEngine.for_model(
+    engine = ColocatedEngine.for_model(
         model_dir, dtype="float32", seed=rank, max_model_len=256, kv_cache_gb=args.kv_cache_gb, distributed=True
     )
     say(f"model {parameters:,} parameters, largest decoder layer {layer_bytes / MIB:.1f} MiB; engine ready")
@@ -247,7 +247,7 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def check_and_time(args, model, engine: RolloutEngine, consumers, dtype, say) -> dict:
+def check_and_time(args, model, engine: ColocatedEngine, consumers, dtype, say) -> dict:
     """The timing phase: correctness checks, interleaved timed syncs, then the literal TRL call."""
     from vllm import SamplingParams
 

@@ -146,9 +146,9 @@ def sampling_streams(rank: int, tmp: Path) -> None:
     """Each rank's engine draws its own samples; the same prompt twice in one rollout gets different completions."""
     from vllm import SamplingParams
 
-    from grpo.rollout_engine import RolloutEngine
+    from grpo.engines.colocated import ColocatedEngine
 
-    engine = RolloutEngine.for_model(
+    engine = ColocatedEngine.for_model(
         str(tmp / "model"), dtype="float32", seed=rank, max_model_len=64, kv_cache_gb=0.05, distributed=True
     )
     prompt = engine.tokenizer("Q: Ava has 3 cards.").input_ids

@@ -16,8 +16,8 @@ from recipe_runs import run_recipe
 from grpo import checkpointing
 from grpo.checkpointing import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from grpo.config import ConfigError, load_config
+from grpo.engines.colocated import check_vllm_lora_targets
 from grpo.parallel import fsdp_settings
-from grpo.rollout_engine import check_vllm_lora_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"learning_rate": 1e-3, "lora": {"r": 8}, "max_steps": 10}

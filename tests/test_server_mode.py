@@ -96,7 +96,7 @@ def served_vs_merged(engine, peft_model) -> tuple[float, float, list]:
 
 
 def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
-    from grpo.server_engine import ServerEngine
+    from grpo.engines.server import ServerEngine
     from merge.weight_transfer import LoraMergeTrainer
 
     url, model_dir = server
@@ -136,7 +136,7 @@ def test_adapter_mode_serves_the_peft_model_and_each_load_replaces_the_last(lora
     merge_and_unload() rounds ``W + scale B A`` into one fp32 weight instead, which alone moves these log-probs by up
     to 7.6e-6 (mean 8.9e-7) and would leave no margin under the bounds of the lora_merge test.
     """
-    from grpo.server_engine import ServerEngine
+    from grpo.engines.server import ServerEngine
 
     url, model_dir = lora_server
     engine = ServerEngine(url, model_dir, merge=False)
@@ -189,7 +189,7 @@ KILLED_TRAINER = textwrap.dedent("""
 
 
 def test_trainer_killed_between_start_and_finish_leaves_the_previous_version(server):
-    from grpo.server_engine import ServerEngine
+    from grpo.engines.server import ServerEngine
 
     url, model_dir = server
     engine = ServerEngine(url, model_dir)
@@ -241,7 +241,7 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from grpo.server_engine import ServerEngine
+    from grpo.engines.server import ServerEngine
 
     url, model_dir = server
     overrides = [
@@ -363,7 +363,7 @@ class FakeServer:
 
 
 def test_unreachable_server_and_server_without_the_backend_are_one_line_each():
-    from grpo.server_engine import ServerEngine, ServerError
+    from grpo.engines.server import ServerEngine, ServerError
 
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerError, match="no vLLM server answers") as caught:
@@ -391,8 +391,8 @@ def tokenizer_dir(tmp_path):
 def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
     from vllm import SamplingParams
 
-    from grpo.engine import EngineStateError
-    from grpo.server_engine import ServerEngine
+    from grpo.engines.interface import EngineStateError
+    from grpo.engines.server import ServerEngine
 
     fake = FakeServer(backend=True)
     try:
@@ -409,7 +409,7 @@ def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
 
 def test_the_recipes_server_settings_reach_the_lora_merge_trainer(tokenizer_dir, monkeypatch):
     from grpo.config import load_config
-    from grpo.server_engine import ServerEngine
+    from grpo.engines.server import ServerEngine
     from merge.weight_transfer import LoraMergeTrainer
 
     sent = []
@@ -444,7 +444,7 @@ def test_the_recipes_server_settings_reach_the_lora_merge_trainer(tokenizer_dir,
 def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_dir):
     from vllm import SamplingParams
 
-    from grpo.server_engine import ServerEngine, ServerError
+    from grpo.engines.server import ServerEngine, ServerError
 
     fake = FakeServer(backend=True)
     engine = ServerEngine(fake.url, tokenizer_dir)
@@ -459,7 +459,7 @@ def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from grpo.server_engine import ServerEngine, ServerError
+    from grpo.engines.server import ServerEngine, ServerError
 
     url, model_dir = server
     config = AutoModelForCausalLM.from_pretrained(model_dir).config

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from grpo.checkpointing import save_adapter
-from grpo.engine import EngineStateError, Sample
+from grpo.engines.interface import EngineStateError, Sample
 
 
 class ServerError(RuntimeError):

@@ -1,7 +1,7 @@
 """The one rollout-engine interface the recipe, ``grpo.run`` and the benchmarks use, and what an engine returns.
 
-Two implementations: `grpo.rollout_engine.RolloutEngine` (colocated: one in-process vLLM per training rank) and
-`grpo.server_engine.ServerEngine` (a separate ``vllm serve``, vllm.mode=server).
+Two implementations: `grpo.engines.colocated.ColocatedEngine` (one in-process vLLM per training rank,
+vllm.mode=colocate) and `grpo.engines.server.ServerEngine` (a separate ``vllm serve``, vllm.mode=server).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class EngineStateError(RuntimeError):
 
 
 class Engine(Protocol):
-    """What the recipe, ``grpo.run`` and the benchmarks need of a rollout engine (`RolloutEngine`: colocated,
+    """What the recipe, ``grpo.run`` and the benchmarks need of a rollout engine (`ColocatedEngine`: colocated,
     in-process; `ServerEngine`: a separate ``vllm serve``)."""
 
     def awake(self) -> contextlib.AbstractContextManager: ...  # one generation phase: wake, then sleep at the end

@@ -1,6 +1,6 @@
-"""The rollout engine: one in-process vLLM per rank, serving the policy's merged weights or its LoRA adapter.
+"""The colocated rollout engine: one in-process vLLM per rank, serving the policy's merged weights or its LoRA adapter.
 
-    engine = RolloutEngine.from_config(cfg, recipe_llm_kwargs(cfg, rank=rank, world=world, device_type="cpu"))
+    engine = ColocatedEngine.from_config(cfg, recipe_llm_kwargs(cfg, rank=rank, world=world, device_type="cpu"))
     with engine.awake():                                # one generation phase: sync, evaluation, rollout
         engine.sync_policy(peft_model, adapter_dir, version=step, rank=rank)
         samples = engine.generate(prompt_ids, sampling)   # completions with their sampled tokens' log-probs
@@ -8,7 +8,8 @@
 The engine owns the merge mode: `sync_policy` streams `merged_lora_params` into vLLM (lora.merge=true: W +
 scale*B@A, one layer at a time) or saves the adapter and serves it through a `LoRARequest` it keeps
 (lora.merge=false, the comparison mode); `generate` serves whichever it holds. The recipe, `bench_rollout.py` and
-`bench_sync.py` all build and push through this class, so the benchmarks time the recipe's own code path.
+`bench_sync.py` all build and push through this class, so the benchmarks time the recipe's own code path. The push
+itself and vLLM's account of it (`WeightPushError`) are `merge.vllm_compat`'s.
 
 vLLM on CPU: it runs in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; `external_launcher` when
 distributed, one engine per rank) with an explicit KV-cache size. Weights go in through
@@ -19,7 +20,6 @@ so ``model.load_weights`` (TRL's colocate path) fails there.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 
@@ -31,25 +31,10 @@ import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.config import VLLM_LORA_RANKS, ConfigError
-from grpo.engine import EngineStateError, Sample
+from grpo.engines.interface import EngineStateError, Sample
 from grpo.faults import NonFiniteError
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params
-from merge.vllm_compat import in_process_model, reload_vllm_weights
-
-
-class WeightPushError(RuntimeError):
-    """vLLM's modules did not all receive a tensor in a weight push; the engine would serve stale weights."""
-
-
-# vLLM's in-place reload reports, in its log, each layer that got no tensor ("<Class>: Failed to load weights",
-# falling back to the layer's old weights), got only part of them ("<Class>: Delayed processing", at debug level)
-# and each parameter never loaded ("Following weights were not loaded from checkpoint: {...}").
-_RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-# Embeddings are padded to a multiple of 64 rows (vLLM's vocab padding), which no checkpoint fills.
-_PADDED_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}
+from merge.vllm_compat import classes_without_own_weights, in_process_model, reload_vllm_weights_audited
 
 
 def finite_or_stop(weights):
@@ -67,53 +52,6 @@ def finite_or_stop(weights):
                 "with a lower learning_rate, or train in bfloat16"
             )
         yield name, tensor
-
-
-class _PushAudit(logging.Filter):
-    """Collects vLLM's account of one reload from its log records; the records themselves stay quiet."""
-
-    def __init__(self):
-        super().__init__()
-        self.empty, self.partial, self.not_loaded = set(), set(), set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.endswith(": Failed to load weights"):
-            self.empty.add(record.args[0])
-        elif message.endswith(": Delayed processing"):
-            self.partial.add(record.args[0])
-        elif message.startswith("Following weights were not loaded from checkpoint"):
-            self.not_loaded.update(record.args[0])
-        else:
-            return record.levelno >= logging.INFO  # the per-tensor progress lines we asked for stay quiet
-        return False  # reported by push_weights as an error, or known to be benign
-
-    @contextlib.contextmanager
-    def watching(self):
-        loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
-        levels = [logger.level for logger in loggers]
-        for logger in loggers:
-            logger.addFilter(self)
-            logger.setLevel(logging.DEBUG)  # "Delayed processing" is a debug record
-        try:
-            yield self
-        finally:
-            for logger, level in zip(loggers, levels):
-                logger.removeFilter(self)
-                logger.setLevel(level)
-
-
-def _classes_without_own_weights(worker) -> list[str]:
-    """In a vLLM worker: classes of the model's modules that hold no parameter of their own (only buffers, such as
-    a rotary embedding, or only parameters shared with an earlier module, such as a tied lm_head)."""
-    seen, modules = set(), {}
-    for module in worker.get_model().modules():
-        params = list(module.parameters(recurse=False))
-        fresh = [p for p in params if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        modules.setdefault(type(module).__name__, []).append(bool(fresh))
-    own_weights = {name for name, flags in modules.items() if any(flags)}
-    return sorted(set(modules) - own_weights)
 
 
 def max_lora_rank_for(rank: int) -> int:
@@ -139,7 +77,7 @@ def check_vllm_lora_targets(model: torch.nn.Module, target_modules: list[str]) -
 
 
 def recipe_engine_args(cfg, *, rank: int, world: int, device_type: str) -> dict:
-    """The keyword arguments of `RolloutEngine` (and `engine_kwargs`) for the recipe's config on one rank."""
+    """The keyword arguments of `ColocatedEngine` (and `engine_kwargs`) for the recipe's config on one rank."""
     return dict(
         dtype=cfg.model.dtype,
         seed=cfg.seed + rank,
@@ -228,7 +166,7 @@ def in_process_vllm() -> None:
         )
 
 
-class RolloutEngine:
+class ColocatedEngine:
     """A vLLM ``LLM`` built for rollouts: it serves the policy merged (``merge=True``) or as a LoRA adapter.
 
     Sleep mode (GPU, ``enable_sleep_mode=True``, as TRL's colocate mode): the engine sleeps between generation
@@ -260,7 +198,7 @@ class RolloutEngine:
         self.lora_request = None  # merge=False: the adapter the engine serves
         # merged pushes below fp32 measure how much of the LoRA update survives the cast (MergePrecisionStats)
         self.precision_stats = precision_stats and self.dtype != torch.float32
-        self.weightless_classes = set(self.llm.collective_rpc(_classes_without_own_weights)[0])
+        self.weightless_classes = set(self.llm.collective_rpc(classes_without_own_weights)[0])
         self.sleep()
 
     @classmethod
@@ -272,14 +210,14 @@ class RolloutEngine:
         sleep_level: int | None = None,
         precision_stats: bool = False,
         **engine_args,
-    ) -> RolloutEngine:
+    ) -> ColocatedEngine:
         """An engine for ``model`` with `engine_kwargs`'s arguments (the benchmarks' and tests' way in)."""
         return cls(
             engine_kwargs(model, **engine_args), merge=merge, sleep_level=sleep_level, precision_stats=precision_stats
         )
 
     @classmethod
-    def from_config(cls, cfg, llm_kwargs: dict) -> RolloutEngine:
+    def from_config(cls, cfg, llm_kwargs: dict) -> ColocatedEngine:
         """The recipe's engine for ``cfg`` (its merge mode and sleep level), with the vLLM arguments the start-up
         built once (`recipe_llm_kwargs`)."""
         # vllm.sync=false pushes nothing, so the weights the engine starts with must survive its sleeps (level 1)
@@ -325,17 +263,9 @@ class RolloutEngine:
         """Load ``(name, tensor)`` pairs (checkpoint names) into the engine in place, and check that every module
         with weights of its own received them all (raises `WeightPushError`, naming what is missing)."""
         self.wake_up("weights")
-        with _PushAudit().watching() as audit:
-            reload_vllm_weights(self.llm, weights)  # vLLM's reload_weights (+ the CPU MoE repacking it skips)
+        audit = reload_vllm_weights_audited(self.llm, weights)  # vLLM's reload (+ the CPU MoE repacking it skips)
         self.weights_discarded = False
-        empty = sorted(audit.empty - self.weightless_classes)
-        partial = sorted(audit.partial - _PADDED_CLASSES)
-        if empty or partial or audit.not_loaded:
-            raise WeightPushError(
-                f"the weight push left vLLM serving stale weights: parameters never loaded {sorted(audit.not_loaded)}; "
-                f"layers that received no tensor {empty}; layers that received only part of theirs {partial}. "
-                "The pushed names must be the model's checkpoint names (as save_pretrained writes them)"
-            )
+        audit.check(self.weightless_classes)
 
     def sync_merged(self, model) -> dict[str, float]:
         """Push the peft policy with its LoRA merged (`merged_lora_params`; a collective under FSDP2).

@@ -1,4 +1,4 @@
-"""The rollout engine (grpo/rollout_engine.py): one push for the recipe and both benchmarks, checked strictly."""
+"""The colocated engine (grpo/engines/colocated.py): one push for the recipe and both benchmarks, checked strictly."""
 
 import ast
 import logging
@@ -12,8 +12,9 @@ from bench_common import with_random_lora
 from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 
-from grpo.rollout_engine import RolloutEngine, WeightPushError
+from grpo.engines.colocated import ColocatedEngine
 from merge import merged_lora_params
+from merge.vllm_compat import WeightPushError
 from padding import packed_log_probs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,20 +31,22 @@ def calls_in(path: Path) -> set[str]:
 
 
 def test_the_benchmarks_time_the_recipes_own_sync():
-    assert bench_sync.SYNC_OF_THE_RECIPE is RolloutEngine.sync_merged
-    assert bench_sync.RolloutEngine is RolloutEngine and bench_rollout.RolloutEngine is RolloutEngine
+    assert bench_sync.SYNC_OF_THE_RECIPE is ColocatedEngine.sync_merged
+    assert bench_sync.ColocatedEngine is ColocatedEngine and bench_rollout.ColocatedEngine is ColocatedEngine
     assert "sync_policy" in calls_in(ROOT / "recipes" / "grpo_qwen3_4b.py")  # -> sync_merged when merge=true
     assert "sync_merged" in calls_in(ROOT / "recipes" / "bench_rollout.py")
     # the push itself is written once: no other file calls vLLM's reload or builds an engine
-    for path in sorted([*(ROOT / "recipes").glob("*.py"), *(ROOT / "grpo").glob("*.py")]):
-        if path.name != "rollout_engine.py":
+    for path in sorted(
+        [*(ROOT / "recipes").glob("*.py"), *(ROOT / "bench").glob("*.py"), *(ROOT / "grpo").rglob("*.py")]
+    ):
+        if path != ROOT / "grpo" / "engines" / "colocated.py":
             calls = calls_in(path)
             assert "collective_rpc:reload_weights" not in calls and "LLM" not in calls, path.name
 
 
 @pytest.fixture(scope="module")
 def engine_and_policy(tiny_model):
-    engine = RolloutEngine.for_model(tiny_model, dtype="float32", max_model_len=128, kv_cache_gb=0.05)
+    engine = ColocatedEngine.for_model(tiny_model, dtype="float32", max_model_len=128, kv_cache_gb=0.05)
     policy = with_random_lora(AutoModelForCausalLM.from_pretrained(tiny_model), rank=8, lora_b_std=0.05)
     yield engine, policy
     engine.close()
