@@ -132,8 +132,7 @@ class LoraSettings:
 
 @dataclass
 class VLLMSettings:
-    """The vLLM engine (TRL's ``vllm_*`` names, without the prefix, where TRL has them), grouped as TRL's
-    ``GRPOConfig`` groups them: by the mode they apply to."""
+    """The vLLM engine: TRL's ``vllm_*`` names without the prefix where TRL has them, grouped by mode as TRL's."""
 
     # -- both modes ----------------------------------------------------------------------------------------------
     mode: str = setting(
@@ -150,19 +149,14 @@ class VLLMSettings:
     )
     verify_sync: bool = setting(False, "hash the trainer's weights around every sync (metric sync_changed_trainer)")
     sync_precision_stats: bool = setting(
-        True,
-        "merge=true below fp32: how much of the LoRA update survives the cast "
-        "of the merged weights (sync_delta_* metrics)",
+        True, "merge=true below fp32: how much of the LoRA update survives the merged cast (sync_delta_* metrics)"
     )
     sync: bool = setting(True, "false only to prove that a skipped sync is detected")
 
-    # -- the engine's size: used when mode is colocate (a server is sized by its own flags; in server mode the -----
-    # -- memory plan counts the server with these, python -m grpo.memory_plan) -----------------------------------
+    # -- the engine's size: used when mode is colocate (a server is sized by its own flags; in server mode the
+    # -- memory plan, python -m grpo.memory_plan, counts the server with these) -----------------------------------
     kv_cache_gb: float = setting(
-        2.0,
-        "colocate: explicit KV-cache size (vLLM's own sizing fails on small CPU machines); server: the memory plan's "
-        "estimate of the server's",
-        range="> 0",
+        2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)", range="> 0"
     )
     gpu_memory_utilization: float = setting(
         0.3, "colocate, GPU only: vLLM needs this share of the GPU free at start (TRL's default)", range="in (0, 1]"
@@ -170,20 +164,14 @@ class VLLMSettings:
     enable_sleep_mode: bool = setting(
         False, "colocate, GPU only: release weights and KV cache while the trainer updates (as TRL)"
     )
-    enforce_eager: bool = setting(
-        True, "colocate: no CUDA graphs / compilation; server: as the memory plan counts the server"
-    )
+    enforce_eager: bool = setting(True, "no CUDA graphs / compilation")
     max_num_seqs: int | None = setting(
         None,
-        "colocate: sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL "
-        "sizes it); server: as the memory plan counts the server",
+        "sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL sizes it)",
         range=">= 1",
     )
     max_num_batched_tokens: int = setting(
-        4096,
-        "colocate: tokens per engine step (TRL's value; at least max_model_len); server: as the memory plan counts "
-        "the server",
-        range=">= 1",
+        4096, "tokens per engine step (TRL's value; at least max_model_len)", range=">= 1"
     )
     max_lora_rank: int | None = setting(None, "colocate, merge=false: defaults to lora.r", choices=VLLM_LORA_RANKS)
 
@@ -313,7 +301,7 @@ class RecipeConfig:
     model: ModelSettings = section(ModelSettings, "the base model")
     data: DataSettings = section(DataSettings, "the prompts")
     lora: LoraSettings = section(LoraSettings, "the adapter (peft LoraConfig names) and the merge mode")
-    vllm: VLLMSettings = section(VLLMSettings, "the colocated rollout engine")
+    vllm: VLLMSettings = section(VLLMSettings, "the rollout engine: colocated, or a separate server")
     padding: PaddingSettings = section(PaddingSettings, "the packed log-probs")
 
     @property
