@@ -24,7 +24,8 @@ import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from figures import save_figure  # noqa: E402
+
+from grpo.figures import save_figure  # noqa: E402
 
 PANELS = [
     ("ratio_mean", "PPO ratio (mean over tokens)", True),

@@ -1,4 +1,4 @@
-"""recipes/gpu_check.py, the GPU kit, in its CPU smoke mode: every section runs, on a machine without vLLM."""
+"""bench/gpu_check.py, the GPU kit, in its CPU smoke mode: every section runs, on a machine without vLLM."""
 
 import json
 import os
@@ -17,7 +17,7 @@ WITHOUT_VLLM = (
 def test_the_gpu_kit_runs_every_section_without_vllm(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_VLLM, str(ROOT / "recipes" / "gpu_check.py"), "--smoke", "--out", str(out)],
+        [sys.executable, "-c", WITHOUT_VLLM, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

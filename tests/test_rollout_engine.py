@@ -33,9 +33,11 @@ def test_the_benchmarks_time_the_recipes_own_sync():
     assert bench_sync.SYNC_OF_THE_RECIPE is RolloutEngine.sync_merged
     assert bench_sync.RolloutEngine is RolloutEngine and bench_rollout.RolloutEngine is RolloutEngine
     assert "sync_policy" in calls_in(ROOT / "recipes" / "grpo_qwen3_4b.py")  # -> sync_merged when merge=true
-    assert "sync_merged" in calls_in(ROOT / "recipes" / "bench_rollout.py")
+    assert "sync_merged" in calls_in(ROOT / "bench" / "bench_rollout.py")
     # the push itself is written once: no other file calls vLLM's reload or builds an engine
-    for path in sorted([*(ROOT / "recipes").glob("*.py"), *(ROOT / "grpo").glob("*.py")]):
+    for path in sorted(
+        [*(ROOT / "recipes").glob("*.py"), *(ROOT / "bench").glob("*.py"), *(ROOT / "grpo").glob("*.py")]
+    ):
         if path.name != "rollout_engine.py":
             calls = calls_in(path)
             assert "collective_rpc:reload_weights" not in calls and "LLM" not in calls, path.name

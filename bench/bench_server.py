@@ -1,6 +1,6 @@
 """Server mode's sync and rollout costs, side by side in one run: lora_merge vs full merged weights vs vLLM LoRA.
 
-    python recipes/bench_server.py --out results/bench_server.json
+    python bench/bench_server.py --out results/bench_server.json
 
 For each model, real ``vllm serve`` subprocesses on this machine (`grpo.server_engine.serve_command`'s flags): one
 with the ``lora_merge`` backend, one with ``--enable-lora`` (vLLM serving the adapter). The trainer side is this
@@ -26,7 +26,7 @@ what crosses the wire (the factors, the weights) or the adapter file. After lora
 there is that mode) and after full the server's greedy log-probs on fixed prompts are compared: both must serve the
 same weights.
 
-Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as recipes/bench_rollout.py and bench_sync.py),
+Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as bench/bench_rollout.py and bench_sync.py),
 "qwen3-4b-1layer" and "qwen3-4b-4layers" (1 and 4 decoder layers of Qwen3-4B's exact shape with its 151,936-token
 vocabulary, bf16, `grpo.qwen3_4b_shape`). From the two depths, Qwen3-4B's 36 layers are extrapolated: bytes exactly
 (the 4-layer model's per-layer bytes x 36 + the rest), seconds by a line through the two depths per mode
@@ -377,7 +377,7 @@ def main() -> None:
     start = time.perf_counter()
     out = dict(
         machine=machine_info(),
-        command="python recipes/bench_server.py " + " ".join(sys.argv[1:]),
+        command="python bench/bench_server.py " + " ".join(sys.argv[1:]),
         note="one run on a shared machine: timings are medians of interleaved repetitions, read the ratios",
         models={},
     )

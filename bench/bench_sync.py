@@ -1,6 +1,6 @@
 """Weight-sync cost under 2-process FSDP2 on CPU: four ways to get the LoRA policy into a colocated vLLM engine.
 
-    python recipes/bench_sync.py --size small --out results/bench_sync.json
+    python bench/bench_sync.py --size small --out results/bench_sync.json
 
 The script launches itself twice under ``torchrun --nproc_per_node 2`` (gloo, ``OMP_NUM_THREADS=1``): a timing
 phase with glibc's default malloc, as the recipe runs, and a memory phase with ``MALLOC_MMAP_THRESHOLD_=65536``
@@ -495,7 +495,7 @@ def main() -> None:
         worker(args)
         return
     if "LOCAL_RANK" in os.environ:
-        sys.exit("run this with plain `python recipes/bench_sync.py ...`: it launches torchrun itself (twice)")
+        sys.exit("run this with plain `python bench/bench_sync.py ...`: it launches torchrun itself (twice)")
 
     # Two torchrun launches of this file, 2 processes with one thread each (as accelerate launch runs the recipe):
     # timing with glibc's default malloc; memory with MALLOC_MMAP_THRESHOLD_=65536 (glibc reads it at start:

@@ -1,4 +1,4 @@
-"""How the plots of `results/` are written (recipes/plot_*.py): one place for the file format."""
+"""How the plots of `results/` are written (recipes/plot_metrics.py, bench/plot_*.py): one place for the file format."""
 
 from __future__ import annotations
 
