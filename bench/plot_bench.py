@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from grpo.figures import save_figure  # noqa: E402
+from grpo.figures import paper_style, save_figure  # noqa: E402
 
 MODES = [("base", "base weights"), ("merged", "merged LoRA"), ("lora", "vLLM LoRA")]
 METHODS = {
@@ -99,17 +99,7 @@ def sync_panels(ax_time, ax_mem, sync: dict) -> None:
 def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
     rollout = read_json(Path(rollout_json), "results")
     sync = read_json(Path(sync_json), "methods")
-    plt.rcParams.update(
-        {
-            "font.family": "serif",
-            "font.size": 8,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-            "axes.grid": True,
-            "grid.alpha": 0.3,
-            "axes.axisbelow": True,
-        }
-    )
+    paper_style()
     fig, axes = plt.subplots(
         1, 3, figsize=(11.5, 3.4), constrained_layout=True, gridspec_kw=dict(width_ratios=[1.7, 1, 1])
     )

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from grpo.figures import save_figure  # noqa: E402
+from grpo.figures import paper_style, save_figure  # noqa: E402
 
 MODES = {
     "vllm_merged": "vLLM, merged weights",
@@ -32,16 +32,7 @@ MODELS = {"qwen3-4b-2layers": "Qwen3-4B shape, 2 layers", "small": "small model 
 
 
 def plot(data: dict, out: Path) -> Path:
-    plt.rcParams.update(
-        {
-            "font.family": "serif",
-            "font.size": 8,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-            "axes.grid": True,
-            "grid.alpha": 0.3,
-        }
-    )
+    paper_style()
     runs = data["runs"]
     fig, axes = plt.subplots(len(runs), 3, figsize=(11.0, 2.7 * len(runs)), constrained_layout=True, squeeze=False)
     for row, run in zip(axes, runs):
