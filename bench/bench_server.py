@@ -221,7 +221,6 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         if adapter_engine:
             adapter_engine.close()
 
-    full_bytes = nbytes["full"]
     result = dict(
         model=model,
         engine_dtype=dtype,
@@ -231,18 +230,7 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         parameters=sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n),
         factor_bytes_counted=factor_bytes(peft_model),
         repetitions=args.reps,
-        modes={
-            mode: dict(
-                bytes=nbytes[mode],
-                bytes_over_full=nbytes[mode] / full_bytes,
-                median_s=statistics.median(seconds[mode]),
-                median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
-                median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode] else None),
-                raw_s=seconds[mode],
-                **settings_note(mode, modes.get(mode, {})),
-            )
-            for mode in modes
-        },
+        modes=mode_figures(modes, nbytes, seconds, wire_seconds),
         # lora_merge with fp32 factors (the full sync merges those, as the server does): the same weights, the same
         # greedy log-probs. (With bf16 factors, 7% of the merged weights move by one ulp, and on a random model's
         # near-uniform logits a greedy path can then branch: no token-by-token comparison.)
@@ -256,6 +244,23 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
     if lora is not None:
         result["rollout"] = lora
     return result
+
+
+def mode_figures(modes: dict, nbytes: dict, seconds: dict, wire_seconds: dict) -> dict:
+    """Per sync mode: its bytes and median seconds, each also over the full sync's, the median time on the wire
+    and in the server (lora_merge and full), the raw samples and what the mode's settings mean."""
+    return {
+        mode: dict(
+            bytes=nbytes[mode],
+            bytes_over_full=nbytes[mode] / nbytes["full"],
+            median_s=statistics.median(seconds[mode]),
+            median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
+            median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode] else None),
+            raw_s=seconds[mode],
+            **settings_note(mode, modes.get(mode, {})),
+        )
+        for mode in modes
+    }
 
 
 def settings_note(mode: str, settings: dict) -> dict:
