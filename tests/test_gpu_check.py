@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the lent GPU machines have no vLLM: an import of it anywhere on the kit's path fails here as it would there
+# the kit runs without vLLM: an import of it anywhere on the kit's path fails here, as on a GPU machine without vLLM
 WITHOUT_VLLM = (
     "import runpy, sys; sys.modules['vllm'] = None; sys.argv = sys.argv[1:]; "
     "runpy.run_path(sys.argv[0], run_name='__main__')"
