@@ -38,7 +38,7 @@ from transformers.masking_utils import (
 )
 
 PACKED_SDPA = "packed_sdpa"
-# False: the per-sample loop on CUDA too (recipes/gpu_check.py compares both)
+# False: the per-sample loop on CUDA too (bench/gpu_check.py compares both)
 VARLEN_ON_CUDA = True
 
 

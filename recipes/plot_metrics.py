@@ -24,7 +24,8 @@ import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from figures import save_figure  # noqa: E402
+
+from grpo.figures import paper_style, save_figure  # noqa: E402
 
 PANELS = [
     ("ratio_mean", "PPO ratio (mean over tokens)", True),
@@ -87,16 +88,7 @@ def split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 def plot(runs: list[Path], out: Path, only: list[str] | None = None) -> Path:
     """The panels for ``runs`` into ``out``; ``only``: just the panels of these metric names, in PANELS' order."""
-    plt.rcParams.update(
-        {
-            "font.family": "serif",
-            "font.size": 9,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-            "axes.grid": True,
-            "grid.alpha": 0.3,
-        }
-    )
+    paper_style()
     panels = PANELS + [PRECISION_PANEL] * any(PRECISION_PANEL[0] in row for run in runs for row in read_metrics(run))
     if only:
         every = PANELS + [PRECISION_PANEL]

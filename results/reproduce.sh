@@ -47,9 +47,9 @@ kill $server; wait $server || true
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \
     results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-server --out results/grpo_variants.png
 .venv/bin/python recipes/plot_metrics.py results/precision/{fp32,bf16,fp16}-{merge,lora} results/precision/bf16-server --out results/grpo_precision.png
-.venv/bin/python recipes/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
-.venv/bin/python recipes/bench_sync.py --out results/bench_sync.json
-.venv/bin/python recipes/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
+.venv/bin/python bench/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
+.venv/bin/python bench/bench_sync.py --out results/bench_sync.json
+.venv/bin/python bench/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
 # packed_sdpa (the default) against transformers' sdpa with its block-diagonal mask, one run after the other
 "${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null run_name=tiny-cpu-attn-packed
 "${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null model.attn_implementation=sdpa run_name=tiny-cpu-attn-sdpa
@@ -59,9 +59,9 @@ kill $server; wait $server || true
 .venv/bin/python -m grpo.memory_plan --config recipes/configs/qwen3_4b_gsm8k_24gb.yaml --qwen3-4b-shape --world 1 \
     --device-gib 22.35 > results/memory_plan_qwen3_4b_24gb.txt
 # the update phase's log-probs: full-vocabulary logits vs the LM head on response rows in chunks (memory, time)
-.venv/bin/python recipes/bench_logprobs.py --out results/bench_logprobs.json
+.venv/bin/python bench/bench_logprobs.py --out results/bench_logprobs.json
 # merged vs adapter vs trainer in bf16 and fp16 against fp32 W + delta, over update sizes (Qwen3-4B's shape, 26.5M)
-.venv/bin/python recipes/bench_precision.py --out results/bench_precision.json
-.venv/bin/python recipes/plot_precision.py results/bench_precision.json --out results/bench_precision.png
+.venv/bin/python bench/bench_precision.py --out results/bench_precision.json
+.venv/bin/python bench/plot_precision.py results/bench_precision.json --out results/bench_precision.png
 # server mode: lora_merge vs full merged weights vs vLLM LoRA per sync, and the server's rollout tokens/s
-.venv/bin/python recipes/bench_server.py --out results/bench_server.json
+.venv/bin/python bench/bench_server.py --out results/bench_server.json

@@ -1,4 +1,4 @@
-"""recipes/bench_precision.py on the tiny model: the merged cast drops a sub-ulp update in bf16 and keeps one of a few
+"""bench/bench_precision.py on the tiny model: the merged cast drops a sub-ulp update in bf16 and keeps one of a few
 ulps; served modes reproduce a few-ulp update in fp16; the plot renders from the JSON."""
 
 import argparse

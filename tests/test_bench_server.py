@@ -1,4 +1,4 @@
-"""recipes/bench_server.py's smallest mode: one lora_merge server on the embedded model, one repetition."""
+"""bench/bench_server.py's smallest mode: one lora_merge server on the embedded model, one repetition."""
 
 import json
 import os
@@ -13,7 +13,7 @@ def test_bench_server_smallest_mode(tiny_model, tmp_path):
     out = tmp_path / "bench_server.json"
     command = [
         sys.executable,
-        str(ROOT / "recipes" / "bench_server.py"),
+        str(ROOT / "bench" / "bench_server.py"),
         "--models",
         "tiny",
         "--rollout-models",

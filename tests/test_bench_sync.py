@@ -1,4 +1,4 @@
-"""The drift measurement of recipes/bench_sync.py (bench_common.merge_unmerge_drift): peft's in-place merge/unmerge
+"""The drift measurement of bench/bench_sync.py (bench_common.merge_unmerge_drift): peft's in-place merge/unmerge
 drifts in bf16, ours does not."""
 
 import torch

@@ -34,7 +34,7 @@ def test_the_benchmarks_time_the_recipes_own_sync():
     assert bench_sync.SYNC_OF_THE_RECIPE is ColocatedEngine.sync_merged
     assert bench_sync.ColocatedEngine is ColocatedEngine and bench_rollout.ColocatedEngine is ColocatedEngine
     assert "sync_policy" in calls_in(ROOT / "recipes" / "grpo_qwen3_4b.py")  # -> sync_merged when merge=true
-    assert "sync_merged" in calls_in(ROOT / "recipes" / "bench_rollout.py")
+    assert "sync_merged" in calls_in(ROOT / "bench" / "bench_rollout.py")
     # the push itself is written once: no other file calls vLLM's reload or builds an engine
     for path in sorted(
         [*(ROOT / "recipes").glob("*.py"), *(ROOT / "bench").glob("*.py"), *(ROOT / "grpo").rglob("*.py")]

@@ -1,4 +1,4 @@
-"""recipes/gpu_check.py, the GPU kit, in its CPU smoke mode: every section runs, on a machine without vLLM."""
+"""bench/gpu_check.py, the GPU kit, in its CPU smoke mode: every section runs, on a machine without vLLM."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the lent GPU machines have no vLLM: an import of it anywhere on the kit's path fails here as it would there
+# the kit runs without vLLM: an import of it anywhere on the kit's path fails here, as on a GPU machine without vLLM
 WITHOUT_VLLM = (
     "import runpy, sys; sys.modules['vllm'] = None; sys.argv = sys.argv[1:]; "
     "runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -17,7 +17,7 @@ WITHOUT_VLLM = (
 def test_the_gpu_kit_runs_every_section_without_vllm(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_VLLM, str(ROOT / "recipes" / "gpu_check.py"), "--smoke", "--out", str(out)],
+        [sys.executable, "-c", WITHOUT_VLLM, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

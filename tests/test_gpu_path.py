@@ -392,7 +392,7 @@ def test_the_plan_counts_fsdp2s_root_the_syncs_copies_and_sleeping_cuda_graphs()
     assert check_fits(one, 80 * GIB, cfg) is None and check_fits(eight, 80 * GIB, cfg) is None
     small = load_config(ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k_24gb.yaml")
     assert check_fits(memory_plan(c, small, world=1), 24e9, small) is None
-    # FSDP2 at one process (recipes/gpu_check.py) unshards as at eight
+    # FSDP2 at one process (bench/gpu_check.py) unshards as at eight
     assert memory_plan(c, cfg, world=1, sharded=True)["terms"]["unsharded root"] == root * 2
 
 

@@ -24,7 +24,7 @@ def rollout_json(path):
                     merged_over_lora=tps["merged"] / tps["lora"],
                 )
             )
-    path.write_text(json.dumps(dict(command="python recipes/bench_rollout.py", results=results)))
+    path.write_text(json.dumps(dict(command="python bench/bench_rollout.py", results=results)))
     return path
 
 
@@ -42,7 +42,7 @@ def sync_json(path):
     path.write_text(
         json.dumps(
             dict(
-                command="python recipes/bench_sync.py",
+                command="python bench/bench_sync.py",
                 methods=methods,
                 settings=dict(parameters=2.6e7),
                 unshard_only_peak_extra_layers=2.0,

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",
-    "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "recipes")),
+    "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "recipes", ROOT / "bench")),
 }
 
 

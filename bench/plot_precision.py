@@ -1,6 +1,6 @@
 """Paper-style plot of the precision benchmark, from its JSON alone.
 
-    python recipes/plot_precision.py results/bench_precision.json --out results/bench_precision.png
+    python bench/plot_precision.py results/bench_precision.json --out results/bench_precision.png
 
 One row per model (Qwen3-4B's shape, the 25.2M "small" model), against the update size in bf16 ulps of W: (a) the
 share of the LoRA's own log-prob change each mode reproduces (1 = all of it), with the share of the update's energy that
@@ -18,7 +18,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from figures import save_figure  # noqa: E402
+
+from grpo.figures import paper_style, save_figure  # noqa: E402
 
 MODES = {
     "vllm_merged": "vLLM, merged weights",
@@ -31,16 +32,7 @@ MODELS = {"qwen3-4b-2layers": "Qwen3-4B shape, 2 layers", "small": "small model 
 
 
 def plot(data: dict, out: Path) -> Path:
-    plt.rcParams.update(
-        {
-            "font.family": "serif",
-            "font.size": 8,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-            "axes.grid": True,
-            "grid.alpha": 0.3,
-        }
-    )
+    paper_style()
     runs = data["runs"]
     fig, axes = plt.subplots(len(runs), 3, figsize=(11.0, 2.7 * len(runs)), constrained_layout=True, squeeze=False)
     for row, run in zip(axes, runs):
@@ -93,5 +85,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     data = json.loads(args.bench.read_text())
     if "runs" not in data:
-        raise SystemExit(f"error: {args.bench} has no 'runs': is it recipes/bench_precision.py's output?")
+        raise SystemExit(f"error: {args.bench} has no 'runs': is it bench/bench_precision.py's output?")
     print(plot(data, args.out))

@@ -1,6 +1,6 @@
 """Update-phase memory and time of the log-probs, full-vocabulary logits vs the LM head on response rows in chunks.
 
-    python recipes/bench_logprobs.py --out results/bench_logprobs.json
+    python bench/bench_logprobs.py --out results/bench_logprobs.json
 
 1. Qwen3-4B's exact layers (2 of its 36, `grpo/qwen3_4b_shape.py`) with its 151,936-token vocabulary, fp32 on CPU,
    LoRA r = 32 on every linear layer, gradient checkpointing on (as the Qwen config): one mini-batch of
@@ -145,7 +145,7 @@ def main() -> None:
     print(f"embedded default's shape: chunks / full logits time {tiny_result['chunks_over_full']:.2f}")
     out = dict(
         machine=machine_info(),
-        command="python recipes/bench_logprobs.py " + " ".join(sys.argv[1:]),
+        command="python bench/bench_logprobs.py " + " ".join(sys.argv[1:]),
         settings=dict(
             rows=args.rows,
             prompt=args.prompt,

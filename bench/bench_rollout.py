@@ -1,6 +1,6 @@
 """Rollout throughput, side by side in one process: base weights vs merged LoRA vs vLLM LoRA.
 
-    python recipes/bench_rollout.py --sizes tiny small --dtypes float32 bfloat16 --out results/bench_rollout.json
+    python bench/bench_rollout.py --sizes tiny small --dtypes float32 bfloat16 --out results/bench_rollout.json
 
 For each model size and dtype, two of the recipe's engines (`grpo.engines.colocated.ColocatedEngine`) live in this
 process: one built as for lora.merge=true, which serves the base weights and then the merged weights (pushed

