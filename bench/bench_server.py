@@ -63,7 +63,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.engines.server import ServerEngine
 from grpo.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
-from merge.weight_transfer import LoraMergeTrainer, lora_update
+from merge.lora_merge import LoraMergeTrainer, lora_update
 
 QWEN3_4B_LAYERS = 36
 MODELS = {  # name -> engine dtype

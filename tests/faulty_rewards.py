@@ -33,12 +33,12 @@ def exact_answer_then_sigkill_rank0_in_sync(completions, answer, **kwargs) -> li
         import signal
         import time
 
-        from merge import weight_transfer
+        from merge.lora_merge import trainer as lora_merge_trainer
 
         def killed_while_sending(group, tensor):
             time.sleep(1.0)  # /update_weights reaches the server: its workers wait in the broadcast
             print("SIGKILL rank 0 in the weight sync, before the factors are sent", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        weight_transfer._broadcast = killed_while_sending  # the trainer's side only: the server is another process
+        lora_merge_trainer.broadcast = killed_while_sending  # the trainer's side only: the server is another process
     return gsm8k_exact_answer_reward(completions, answer)

@@ -4,7 +4,7 @@ For each case: build a LoRA model (same weights on every rank), shard it with fu
 then the root; with the case's MixedPrecisionPolicy), take an optimizer step, then check that
 merged_lora_params equals peft's merge_and_unload() of an unsharded copy with the same parameters, as
 save_pretrained writes it (names, dtypes, values: bit-exact in bf16), that the lora_merge backend's update
-(`merge.weight_transfer.lora_update`) equals the unsharded copy's, that the local shards are bitwise unchanged,
+(`merge.lora_merge.lora_update`) equals the unsharded copy's, that the local shards are bitwise unchanged,
 and that training still runs afterwards.
 """
 
@@ -20,7 +20,7 @@ from torchrun import finish_worker
 from transformers.core_model_loading import revert_weight_conversion
 
 from merge import merged_lora_params
-from merge.weight_transfer import lora_update
+from merge.lora_merge import lora_update
 
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CASES = {  # name: (model builder, FSDP2 mixed precision policy or None)

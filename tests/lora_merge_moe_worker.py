@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_cpu_llm, tiny_qwen3_moe
 from vllm_moe_push_worker import hf_logprobs
 
-from merge.weight_transfer import LoraMergeTrainer
+from merge.lora_merge import LoraMergeTrainer
 
 
 def policy(model_dir: str, seed: int):

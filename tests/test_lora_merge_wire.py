@@ -66,33 +66,33 @@ def trainer_store():
 
 
 def test_a_worker_waiting_for_a_dead_trainer_over_nccl_aborts_without_ordering_its_stream(trainer_store):
-    from merge.weight_transfer import WeightTransferError, _wait
+    from merge.lora_merge.wire import WeightTransferError, wait
 
     store, kill_trainer = trainer_store
     group, finished = NcclGroup(), NcclWork(complete_after_s=0.2)
-    _wait(finished, "update", transport="nccl", group=group, trainer_store=store)  # a live trainer: it completes
+    wait(finished, "update", transport="nccl", group=group, trainer_store=store)  # a live trainer: it completes
     assert finished.stream_ordered and not group.aborted
 
     kill_trainer()
     hung = NcclWork()  # the broadcast of the dead trainer's factors never completes
     start = time.monotonic()
     with pytest.raises(WeightTransferError, match="the trainer is gone"):
-        _wait(hung, "lora_merge update", transport="nccl", group=group, trainer_store=store)
+        wait(hung, "lora_merge update", transport="nccl", group=group, trainer_store=store)
     assert time.monotonic() - start < 10  # not the group's timeout (600 s)
     assert group.aborted  # the NCCL kernel is cancelled, the communicator released
     assert not hung.stream_ordered  # generation on the worker's stream is not held behind it
 
 
 def test_a_worker_keeps_no_update_of_a_trainer_that_died_mid_broadcast(trainer_store, monkeypatch):
-    import merge.weight_transfer as weight_transfer
-    from merge.weight_transfer import LoraMergeUpdateInfo, LoraMergeWeightTransferEngine, WeightTransferError
+    from merge.lora_merge import LoraMergeUpdateInfo, LoraMergeWeightTransferEngine, WeightTransferError
+    from merge.lora_merge import worker as lora_merge_worker
 
     store, kill_trainer = trainer_store
     worker = object.__new__(LoraMergeWeightTransferEngine)  # the wire only: no vLLM model behind it
     worker.transport, worker.device, worker.trainer_store = "nccl", torch.device("cpu"), store
     worker.group = NcclGroup()
     works = [NcclWork(complete_after_s=0.0), NcclWork()]  # the fp32 buffer arrives, the bf16 one never does
-    monkeypatch.setattr(weight_transfer, "_broadcast", lambda group, tensor: works.pop(0))
+    monkeypatch.setattr(lora_merge_worker, "broadcast", lambda group, tensor: works.pop(0))
     kill_trainer()
     with pytest.raises(WeightTransferError, match="the trainer is gone"):
         worker.receive_weights(LoraMergeUpdateInfo(entries=[], buffers={"float32": 8, "bfloat16": 8}))
@@ -101,20 +101,20 @@ def test_a_worker_keeps_no_update_of_a_trainer_that_died_mid_broadcast(trainer_s
 
 
 def test_the_trainer_stops_waiting_when_the_servers_call_fails_over_nccl():
-    from merge.weight_transfer import WeightTransferError, _wait
+    from merge.lora_merge.wire import WeightTransferError, wait
 
     call = Future()
     call.set_exception(RuntimeError("500 Internal Server Error for /update_weights"))
     group, hung = NcclGroup(), NcclWork()
     with pytest.raises(WeightTransferError, match="lora_merge update: the server's call failed: 500"):
-        _wait(hung, "lora_merge update", transport="nccl", group=group, pending_call=call)
+        wait(hung, "lora_merge update", transport="nccl", group=group, pending_call=call)
     assert group.aborted and not hung.stream_ordered
 
 
 def test_the_workers_reach_the_trainer_at_its_address_on_the_route_to_the_server():
-    from merge.weight_transfer import _local_address_towards
+    from merge.lora_merge.wire import local_address_towards
 
-    assert _local_address_towards("127.0.0.1") == "127.0.0.1"
-    assert _local_address_towards("localhost") == "127.0.0.1"
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
+    assert local_address_towards("localhost") == "127.0.0.1"
     own = socket.gethostbyname(socket.gethostname())  # a server on another node: the interface towards it
-    assert _local_address_towards(own) == own
+    assert local_address_towards(own) == own

@@ -175,20 +175,20 @@ def served_deltas(update) -> dict[str, torch.Tensor]:
 
 
 def test_lora_merge_sends_expert_lora_as_factors(monkeypatch):
-    """The ``lora_merge`` backend's update (merge/weight_transfer.py) for LoRA on the fused experts and the router:
+    """The ``lora_merge`` backend's update (merge/lora_merge/update.py) for LoRA on the fused experts and the router:
     per checkpoint tensor, the delta the server computes from the sent factors equals peft's delta converted by
     transformers (what was sent dense before), bit for bit in fp32, also under another conversion (halves of an
     expert's rows, one transposed); what is sent is the factors (an expert's A once for gate and up), about a
     seventh of the dense deltas here; a conversion that does not cut blocks is refused, naming the parameter."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    import merge.weight_transfer as weight_transfer
     from merge import UnsupportedAdapterError
+    from merge.lora_merge import update as lora_merge_update
 
     model = router_and_experts_lora()
     base = model.get_base_model()
     dense = converted_deltas(model, revert_weight_conversion)
-    update = weight_transfer.lora_update(model)
+    update = lora_merge_update.lora_update(model)
     served = served_deltas(update)
     assert set(served) == set(dense) and len(dense) == 2 * (8 * 3 + 1)
     assert all(torch.equal(served[name], delta) for name, delta in dense.items())
@@ -202,10 +202,10 @@ def test_lora_merge_sends_expert_lora_as_factors(monkeypatch):
     assert update.nbytes == sum(b.numel() * b.element_size() for b in update.packed()[1].values()) == factor_bytes
     assert expert_bytes == expert_factor_bytes < expert_dense_bytes / 6
     assert update.cast(torch.bfloat16).nbytes == update.nbytes // 2  # a shared A stays shared
-    assert len(weight_transfer._LEARNED_BLOCKS[base]) == 3  # learned once per kind of parameter, not per layer
+    assert len(lora_merge_update.LEARNED_BLOCKS[base]) == 3  # learned once per kind of parameter, not per layer
     with monkeypatch.context() as patch:
-        patch.setattr(weight_transfer, "_learn_blocks", None)  # and never again for this model
-        assert weight_transfer.lora_update(model).entries == update.entries
+        patch.setattr(lora_merge_update, "learn_blocks", None)  # and never again for this model
+        assert lora_merge_update.lora_update(model).entries == update.entries
 
     def halves(base, tensors):  # each expert's rows in two halves, the second transposed; other tensors as they are
         ((name, tensor),) = tensors.items()
@@ -218,16 +218,16 @@ def test_lora_merge_sends_expert_lora_as_factors(monkeypatch):
             for part, block in (("first", tensor[e, :half]), ("second", tensor[e, half:].T))
         }
 
-    monkeypatch.setattr(weight_transfer, "revert_weight_conversion", halves)
-    weight_transfer._LEARNED_BLOCKS.pop(base)
-    served, dense = served_deltas(weight_transfer.lora_update(model)), converted_deltas(model, halves)
+    monkeypatch.setattr(lora_merge_update, "revert_weight_conversion", halves)
+    lora_merge_update.LEARNED_BLOCKS.pop(base)
+    served, dense = served_deltas(lora_merge_update.lora_update(model)), converted_deltas(model, halves)
     assert set(served) == set(dense) and all(torch.equal(served[name], delta) for name, delta in dense.items())
 
     def columns_reversed(base, tensors):
         ((name, tensor),) = tensors.items()
         return {f"{name}.{e}": tensor[e].flip(-1) for e in range(tensor.shape[0])} if ".experts." in name else tensors
 
-    monkeypatch.setattr(weight_transfer, "revert_weight_conversion", columns_reversed)
-    weight_transfer._LEARNED_BLOCKS.pop(base)
+    monkeypatch.setattr(lora_merge_update, "revert_weight_conversion", columns_reversed)
+    lora_merge_update.LEARNED_BLOCKS.pop(base)
     with pytest.raises(UnsupportedAdapterError, match=r"experts\.\w+_proj: its checkpoint tensor .* rectangular block"):
-        weight_transfer.lora_update(model)
+        lora_merge_update.lora_update(model)

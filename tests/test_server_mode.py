@@ -97,7 +97,7 @@ def served_vs_merged(engine, peft_model) -> tuple[float, float, list]:
 
 def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
     from grpo.engines.server import ServerEngine
-    from merge.weight_transfer import LoraMergeTrainer
+    from merge.lora_merge import LoraMergeTrainer
 
     url, model_dir = server
     engine = ServerEngine(url, model_dir)
@@ -169,11 +169,12 @@ KILLED_TRAINER = textwrap.dedent("""
     import os, signal, sys
     from concurrent.futures import ThreadPoolExecutor
     from dataclasses import asdict
-    from merge.weight_transfer import LoraMergeTrainer, LoraMergeUpdateInfo, _broadcast
+    from merge.lora_merge import LoraMergeTrainer, LoraMergeUpdateInfo
+    from merge.lora_merge.wire import broadcast
     from test_server_mode import policy
 
     url, model_dir = sys.argv[1], sys.argv[2]
-    update = __import__("merge.weight_transfer", fromlist=["lora_update"]).lora_update(policy(model_dir, seed=3))
+    update = __import__("merge.lora_merge", fromlist=["lora_update"]).lora_update(policy(model_dir, seed=3))
     trainer = LoraMergeTrainer.connect(url, rank=0)
     trainer._connect(update.shapes)
     entries, buffers = update.packed()
@@ -181,7 +182,7 @@ KILLED_TRAINER = textwrap.dedent("""
     call = ThreadPoolExecutor(1).submit(trainer.client.update_weights, asdict(LoraMergeUpdateInfo(
         entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})))
     for buffer in buffers.values():  # every factor arrives: only /finish_weight_update is missing
-        _broadcast(trainer.group, buffer).wait()
+        broadcast(trainer.group, buffer).wait()
     call.result()
     print("KILLED BEFORE FINISH", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -410,7 +411,7 @@ def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
 def test_the_recipes_server_settings_reach_the_lora_merge_trainer(tokenizer_dir, monkeypatch):
     from grpo.config import load_config
     from grpo.engines.server import ServerEngine
-    from merge.weight_transfer import LoraMergeTrainer
+    from merge.lora_merge import LoraMergeTrainer
 
     sent = []
 
@@ -479,13 +480,13 @@ def test_pristine_base_is_the_checkpoint_in_the_engine_dtype(tiny_model):
 
     from safetensors.torch import load_file
 
-    from merge.weight_transfer import _pristine_base
+    from merge.lora_merge.worker import pristine_base
 
     checkpoint = load_file(str(Path(tiny_model) / "model.safetensors"))
     q_proj = "model.layers.1.self_attn.q_proj.weight"
     assert checkpoint[q_proj].dtype == torch.float32
     engine = SimpleNamespace(model=tiny_model, revision=None, dtype=torch.bfloat16)
-    base = _pristine_base(engine, {q_proj: list(checkpoint[q_proj].shape)}, torch.device("cpu"))
+    base = pristine_base(engine, {q_proj: list(checkpoint[q_proj].shape)}, torch.device("cpu"))
     # q_proj's layer-mates (k, v: vLLM's qkv_proj) come along, each the checkpoint's tensor rounded to bf16
     assert {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"} <= set(base)
     assert all(torch.equal(tensor, checkpoint[name].to(torch.bfloat16)) for name, tensor in base.items())

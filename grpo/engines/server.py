@@ -6,7 +6,7 @@
         samples = engine.generate(prompt_ids, sampling)            # every rank sends its own prompts
 
 lora.merge=true: the sync sends the LoRA factors through the ``lora_merge`` weight-transfer backend
-(`merge.weight_transfer`); the server merges them into its pristine base between ``/pause`` and ``/resume``.
+(`merge.lora_merge`); the server merges them into its pristine base between ``/pause`` and ``/resume``.
 lora.merge=false: rank 0 saves the adapter where the server can read it and loads it with vLLM's
 ``/v1/load_lora_adapter`` (the comparison mode). Either way the server's weight version becomes the rollout step,
 and every completion must come back sampled from that version (``weight_versions``): another version stops the run
@@ -185,7 +185,7 @@ class ServerEngine:
         return metrics
 
     def _sync_merged(self, model, version: int) -> dict[str, float]:
-        from merge.weight_transfer import LoraMergeTrainer, WeightTransferError
+        from merge.lora_merge import LoraMergeTrainer, WeightTransferError
 
         if self.transfer is None:  # one group: this trainer's rank 0 and every worker of the server
             workers = self._get("/get_world_size")["world_size"]

