@@ -10,7 +10,7 @@ through the recipe's `ServerEngine.sync_policy` (``/pause``, the transfer, ``/re
   lora_merge               the recipe's setting: the factors over the gloo group, in the engine's dtype below fp32
                            (bf16: the dtype the trainer's forward reads them in) and as trained in fp32; the server
                            merges W_base + scale*B@A in fp32 from its pristine base and reloads layer-wise
-                           (`merge.weight_transfer`), measuring the merge's precision below fp32 (sync_delta_*)
+                           (`merge.lora_merge`), measuring the merge's precision below fp32 (sync_delta_*)
   lora_merge_no_stats      bf16 engines: the same without the precision figures (vllm.sync_precision_stats=false)
   lora_merge_fp32_factors  bf16 engines: the factors sent in fp32, as trained. Against lora_merge, the merged bf16
                            weights differ by what rounding the factors to bf16 changes, computed here
