@@ -13,7 +13,7 @@ forward reads them in (FSDP2's ``param_dtype``, autocast in one process), which 
 merges in fp32. ``precision_stats=False`` skips the workers' `MergePrecisionStats` (the recipe measures them below
 fp32 only, where a cast can lose part of the update). ``update="full"`` sends the whole merged model instead
 (`merge.merged_lora_params`, every tensor, the server keeps no base), over the same group and through the same
-layer-wise reload: a comparison (recipes/bench_server.py) standing in for vLLM's own full-weight transfer (NCCL/IPC,
+layer-wise reload: a comparison (bench/bench_server.py) standing in for vLLM's own full-weight transfer (NCCL/IPC,
 GPU only).
 """
 
