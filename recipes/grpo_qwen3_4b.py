@@ -47,10 +47,11 @@ def load_config_or_exit(argv: list[str] | None = None) -> RecipeConfig:
     try:
         return load_config(args.config, args.overrides)
     except ConfigError as err:
-        exit_on_config_error(err)
+        exit_refused(err)
 
 
-def exit_on_config_error(err: ConfigError) -> None:
+def exit_refused(err: Exception) -> None:
+    """A bad input found before any work: one line, from one process, exit code 2."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {err}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -73,6 +74,7 @@ from tqdm.auto import tqdm
 
 from grpo.checkpointing import checkpoint_path, rng_state, save_adapter, save_checkpoint, set_rng_state
 from grpo.data import group_advantages, make_batch, score, select
+from grpo.engines.server import ServerError
 from grpo.faults import StopRequest, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
 from grpo.metrics import params_digest, reduce_statistics, step_metrics, write_metrics
@@ -410,8 +412,8 @@ def finish(run: Run, rollout_step: int, signum: int) -> None:
 def main(cfg: RecipeConfig) -> None:
     try:
         run = setup(cfg)
-    except ConfigError as err:  # a bad input found at start-up: one line, from one process, no traceback
-        exit_on_config_error(err)
+    except (ConfigError, ServerError) as err:  # a bad input found at start-up: one line, no traceback
+        exit_refused(err)
     stop = StopRequest()  # after vLLM is built, so that these handlers are the ones in force
 
     signum, rollout_step = 0, run.resumed_rollout_step
@@ -447,4 +449,8 @@ def main(cfg: RecipeConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(CONFIG)
+    try:
+        main(CONFIG)
+    except ServerError as err:  # the server went away mid-run: one line from each rank that waited on it
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)

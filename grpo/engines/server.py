@@ -20,19 +20,51 @@ The server (started by the user; docs/server.md):
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
+import functools
 import shlex
+import threading
+import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
 
+HEALTH_PROBE_S = 5.0  # while waiting on the server: the wait for one /health answer, and the time between probes
+RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
+
 
 class ServerError(RuntimeError):
     """The vLLM server is unreachable, misconfigured, or stopped answering (the message says which and what to do)."""
+
+
+def start_in_daemon_threads(calls: list[Callable[[], object]], max_workers: int) -> list[Future]:
+    """Start ``calls`` on at most ``max_workers`` threads; their futures, in order. Daemon threads: a call stuck on
+    a server that went away never keeps the process from exiting (a ThreadPoolExecutor's threads are joined at exit,
+    and an HTTP read of a server whose front end keeps its connections open never returns)."""
+    futures = [Future() for _ in calls]
+    work = collections.deque(zip(futures, calls))
+
+    def worker():
+        while work:
+            try:
+                future, call = work.popleft()
+            except IndexError:  # another worker took the last call
+                return
+            try:
+                future.set_result(call())
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread through the future
+                future.set_exception(error)
+
+    for _ in range(min(max_workers, len(calls))):
+        threading.Thread(target=worker, daemon=True).start()
+    return futures
 
 
 def serve_command(url: str, model: str, merge: bool = True) -> str:
@@ -80,6 +112,7 @@ class ServerEngine:
         precision_stats: bool = True,
         base_on_device: bool = False,
         timeout: float = 600.0,
+        server_timeout: float = 60.0,
     ):
         import requests
         from transformers import AutoTokenizer
@@ -91,6 +124,7 @@ class ServerEngine:
         self.wire_dtype = dtype if dtype in ("bfloat16", "float16") else None
         self.precision_stats = precision_stats and self.wire_dtype is not None
         self.base_on_device = base_on_device  # the server's pristine base on its devices (default: host memory)
+        self.server_timeout = server_timeout  # seconds of failed health checks before a wait on the server stops
         self.check_server(self.url, model, merge)
         self.http = requests.Session()
         self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
@@ -110,6 +144,7 @@ class ServerEngine:
             dtype=cfg.model.dtype,
             precision_stats=cfg.vllm.sync_precision_stats,
             base_on_device=cfg.vllm.server_base_on_device,
+            server_timeout=cfg.vllm.server_timeout,
         )
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
@@ -118,16 +153,52 @@ class ServerEngine:
 
         try:
             response = self.http.request(method, f"{self.url}{path}", timeout=self.timeout, **kwargs)
-        except requests.ConnectionError as error:
+        except (requests.ConnectionError, requests.Timeout) as error:
             raise ServerError(
-                f"the vLLM server at {self.url} stopped answering ({type(error).__name__} on {path}); the run's "
-                "checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
+                f"the vLLM server at {self.url} stopped answering ({type(error).__name__} on {path}); {RESUME_HINT}"
             ) from None
         if response.status_code >= 400:
             raise ServerError(f"{method} {self.url}{path} -> {response.status_code}: {response.text[:500]}")
         if "json" not in response.headers.get("content-type", ""):
             return {}  # e.g. /v1/load_lora_adapter answers in plain text
         return response.json()
+
+    def _health_problem(self) -> str | None:
+        """None while the server's /health answers 200 within `HEALTH_PROBE_S`; else what went wrong. A dead engine
+        core answers 503; a front end shutting down (SIGTERM) refuses new connections while it keeps the open ones
+        waiting; a stuck one does not answer."""
+        import requests
+
+        try:
+            status = requests.get(f"{self.url}/health", timeout=HEALTH_PROBE_S).status_code
+        except requests.RequestException as error:
+            return f"/health: {type(error).__name__}"
+        return None if status == 200 else f"/health answers {status}"
+
+    def _results_watching_health(self, futures: list[Future], what: str) -> list:
+        """The futures' results, in order, once all are done; a failed call raises its error at once. Meanwhile the
+        server's health is probed: failing for `server_timeout` seconds stops the wait with a `ServerError`."""
+        pending, unhealthy_since = set(futures), None
+        while pending:
+            done, pending = concurrent.futures.wait(
+                pending, timeout=HEALTH_PROBE_S, return_when=concurrent.futures.FIRST_EXCEPTION
+            )
+            for future in done:
+                future.result()
+            if not pending:
+                break
+            problem = self._health_problem()
+            if problem is None:
+                unhealthy_since = None
+            elif unhealthy_since is None:
+                unhealthy_since = time.monotonic()
+            elif time.monotonic() - unhealthy_since >= self.server_timeout:
+                raise ServerError(
+                    f"the vLLM server at {self.url} stopped answering while {what} ({problem} for "
+                    f"{time.monotonic() - unhealthy_since:.0f} s, vllm.server_timeout={self.server_timeout:g}); "
+                    f"{RESUME_HINT}"
+                )
+        return [future.result() for future in futures]
 
     def _get(self, path: str):
         return self._request("GET", path)
@@ -165,6 +236,42 @@ class ServerEngine:
                 f"the vLLM server at {url} has no weight-transfer backend: start it with "
                 f'--weight-transfer-config \'{{"backend": "lora_merge"}}\': {command}'
             )
+
+    @staticmethod
+    def check_settings(url: str, model: str, *, dtype: str, max_model_len: int, merge: bool = True) -> None:
+        """Before the model loads: the server samples what the trainer scores (processed log-probs, model.dtype,
+        unquantized weights, no prefix cache kept across syncs) and holds a prompt with its completion; else one
+        line naming each flag to change (vLLM's /server_info, a VLLM_SERVER_DEV_MODE route)."""
+        import requests
+
+        url = url.rstrip("/")
+        command = serve_command(url, model, merge)
+        try:
+            response = requests.get(f"{url}/server_info", params={"config_format": "json"}, timeout=120)
+            config = response.json()["vllm_config"]
+            model_config, cache_config = config["model_config"], config["cache_config"]
+        except (requests.RequestException, ValueError, KeyError, TypeError) as error:
+            raise ServerError(
+                f"the vLLM server at {url} does not report its settings (/server_info: {type(error).__name__}); "
+                f"start it with VLLM_SERVER_DEV_MODE=1: {command}"
+            ) from None
+        problems = []
+        if model_config.get("logprobs_mode") != "processed_logprobs":
+            problems.append(f"it returns {model_config.get('logprobs_mode')} (add --logprobs-mode processed_logprobs)")
+        if cache_config.get("enable_prefix_caching"):
+            problems.append("it caches prefixes across syncs (add --no-enable-prefix-caching)")
+        served = str(model_config.get("dtype")).removeprefix("torch.")
+        if served != dtype:
+            problems.append(f"it serves {served}, the trainer computes in model.dtype={dtype} (--dtype {dtype})")
+        if model_config.get("quantization"):
+            problems.append(f"it serves {model_config['quantization']}-quantized weights (serve the unquantized base)")
+        if int(model_config.get("max_model_len") or 0) < max_model_len:
+            problems.append(
+                f"its max_model_len {model_config.get('max_model_len')} is shorter than data.max_prompt_length + "
+                f"max_completion_length = {max_model_len} (--max-model-len {max_model_len})"
+            )
+        if problems:
+            raise ServerError(f"the vLLM server at {url} cannot serve this run: {'; '.join(problems)}")
 
     # -- the engine interface --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -248,8 +355,8 @@ class ServerEngine:
                 json=dict(token_ids=ids, model=model, sampling_params=_sampling_json(sampling, seed)),
             )
 
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompt_ids)))) as pool:
-            responses = list(pool.map(one, prompt_ids, seeds))
+        calls = [functools.partial(one, ids, seed) for ids, seed in zip(prompt_ids, seeds)]
+        responses = self._results_watching_health(start_in_daemon_threads(calls, max_workers=32), "generating")
         samples = []
         for index, (ids, response) in enumerate(zip(prompt_ids, responses)):
             for choice in sorted(response["choices"], key=lambda c: c["index"]):
