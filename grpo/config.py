@@ -29,11 +29,10 @@ class ConfigError(ValueError):
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
-# vllm.max_logprob_diff when unset, per model.dtype. Measured (2 processes, merge on and off; results/README.md): a
-# working sync's mean |vLLM - trainer| log-prob is ~3e-7 in fp32, 1.2-2.1e-4 in fp16 and 0.4-2e-3 in bf16 on the
-# embedded default, ~9e-3 in bf16 on the 2-layer Qwen3-4B slice (random weights, a 151,936-way softmax); a skipped
-# sync reaches 2.3e-2 within 3 rollout steps at lr 1e-3 in bf16 on the embedded default. The guard also allows 10x
-# the first step's own figure (grpo/faults.py), so a model whose kernels differ more is not stopped by these floors.
+# vllm.max_logprob_diff when unset, per model.dtype. Measured (results/README.md): a working sync's mean |vLLM -
+# trainer| log-prob is ~3e-7 in fp32, 1.2-2.1e-4 in fp16, 0.4-2e-3 in bf16 on the embedded default and ~9e-3 in bf16
+# on the 2-layer Qwen3-4B slice; a skipped sync reaches 2.3e-2 within 3 rollout steps at lr 1e-3 in bf16. The guard
+# also allows 10x the first step's own figure (grpo/faults.py): kernels that differ more are not stopped by these.
 MAX_LOGPROB_DIFF = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 ALIASES = {"resume_from": "resume_from_checkpoint"}  # short names accepted in overrides
 
@@ -153,26 +152,19 @@ class VLLMSettings:
     )
     sync: bool = setting(True, "false only to prove that a skipped sync is detected")
 
-    # -- the engine's size: used when mode is colocate (a server is sized by its own flags; in server mode the
-    # -- memory plan, python -m grpo.memory_plan, counts the server with these) -----------------------------------
-    kv_cache_gb: float = setting(
-        2.0, "explicit KV-cache size (vLLM's own sizing fails on small CPU machines)", range="> 0"
-    )
+    # -- the engine's size: colocate's engine (a server is sized by its flags: the memory plan counts it with these)
+    kv_cache_gb: float = setting(2.0, "explicit KV-cache size (vLLM's sizing fails on small CPU machines)", range="> 0")
     gpu_memory_utilization: float = setting(
         0.3, "colocate, GPU only: vLLM needs this share of the GPU free at start (TRL's default)", range="in (0, 1]"
     )
-    enable_sleep_mode: bool = setting(
-        False, "colocate, GPU only: release weights and KV cache while the trainer updates (as TRL)"
-    )
+    enable_sleep_mode: bool = setting(False, "colocate, GPU only: free weights and KV cache while the trainer updates")
     enforce_eager: bool = setting(True, "no CUDA graphs / compilation")
     max_num_seqs: int | None = setting(
         None,
         "sequences one engine batches at once; null: what a rollout or an evaluation gives one rank (as TRL sizes it)",
         range=">= 1",
     )
-    max_num_batched_tokens: int = setting(
-        4096, "tokens per engine step (TRL's value; at least max_model_len)", range=">= 1"
-    )
+    max_num_batched_tokens: int = setting(4096, "tokens per engine step (TRL's; >= max_model_len)", range=">= 1")
     max_lora_rank: int | None = setting(None, "colocate, merge=false: defaults to lora.r", choices=VLLM_LORA_RANKS)
 
     # -- only used when mode is server ---------------------------------------------------------------------------
@@ -186,6 +178,11 @@ class VLLMSettings:
         False,
         "server, merge=true: the server keeps its pristine copy of the targeted base weights on its "
         "own devices (no host-to-device copy per sync, as much more device memory) rather than in host memory",
+    )
+    server_timeout: float = setting(
+        60.0,
+        "server: seconds of failed health checks (/health) while the trainer waits on the server, then the run stops",
+        range="> 0",
     )
 
 
@@ -480,7 +477,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.load(path.read_text(), Loader=_YAMLLoader) or {}
+        try:
+            data = yaml.load(path.read_text(), Loader=_YAMLLoader) or {}
+        except yaml.YAMLError as err:  # one line: where the file stops being YAML
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:

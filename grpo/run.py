@@ -9,6 +9,7 @@ optimizer and the vLLM engine, and a checkpoint to resume from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -162,6 +163,35 @@ def keep_on_resume(line: dict, resumed_rollout_step: int) -> bool:
     return line["rollout_step"] <= resumed_rollout_step
 
 
+def check_paths(cfg: RecipeConfig, rank: int) -> None:
+    """Before any work (rank 0): output_dir is a folder this process can create and write into (folders made to find
+    out are removed again), and the embedded default is built only under cache/ (a mistyped model.name_or_path would
+    otherwise get a model built there)."""
+    cache = Path("cache").resolve()
+    if cfg.model.build_tiny and not Path(cfg.model.name_or_path).resolve().is_relative_to(cache):
+        raise ConfigError(
+            f"model.build_tiny={cfg.model.build_tiny!r} builds the embedded default under {cache} only, not at "
+            f"model.name_or_path={cfg.model.name_or_path!r}; for a model of your own, set model.build_tiny=null"
+        )
+    if rank != 0:
+        return
+    output_dir = Path(cfg.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"output_dir={cfg.output_dir!r} is a file, not a folder")
+    made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        writable = os.access(output_dir, os.W_OK | os.X_OK)
+    except OSError as error:
+        raise ConfigError(f"output_dir={cfg.output_dir!r} cannot be created: {error.strerror or error}") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    if not writable:
+        raise ConfigError(f"output_dir={cfg.output_dir!r} is not writable by this process")
+
+
 def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
     if cfg.model.build_tiny:
@@ -310,6 +340,7 @@ def setup(cfg: RecipeConfig) -> Run:
             "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)"
         )
     rank, world, device = init_distributed()
+    check_paths(cfg, rank)
     # refuses what the engine cannot do here (or a server that is not there), before any work
     start_engine = prepare_engine(cfg, rank=rank, world=world, device_type=device.type)
     named_dir = Path(cfg.output_dir) / cfg.run_name

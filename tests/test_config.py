@@ -275,3 +275,32 @@ def test_fp16_under_accelerates_bf16_mixed_precision_is_refused(monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"model\.dtype=float16 with accelerate's mixed_precision='bf16'"):
         setup(cfg)
+
+
+def test_a_config_file_that_is_not_yaml_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lora:\n  r: [8\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML: .*line 3") as caught:
+        load_config(bad)
+    assert str(bad) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_output_dir_and_the_embedded_models_place_are_checked_before_any_work(tmp_path, monkeypatch):
+    from grpo.run import check_paths
+
+    monkeypatch.chdir(tmp_path)  # the embedded default's cache/ is the working folder's
+    tiny = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for overrides, error in (
+        ([f"output_dir={a_file}"], "is a file, not a folder"),
+        ([f"output_dir={a_file}/runs"], "cannot be created: Not a directory"),
+        (["model.name_or_path=/nonexistent/model"], r"builds the embedded default under .*cache only"),
+    ):
+        with pytest.raises(ConfigError, match=error):
+            check_paths(load_config(tiny, overrides), rank=0)
+    check_paths(load_config(tiny, [f"output_dir={tmp_path}/new/runs"]), rank=0)  # the control: it can be made
+    assert not (tmp_path / "new").exists() and not Path("/nonexistent").exists()  # nothing left behind
+    proc = run_recipe(tmp_path, "model.build_tiny=null", f"output_dir={a_file}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: output_dir={str(a_file)!r} is a file, not a folder"]

@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -302,11 +304,21 @@ def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
 
 class FakeServer:
     """An HTTP server answering the routes `ServerEngine.check_server` probes, as a vLLM server would; ``backend``:
-    whether /collective_rpc finds a weight-transfer engine."""
+    whether /collective_rpc finds a weight-transfer engine. ``generate_delay``: seconds a generation takes (None:
+    it never answers, as on a server whose engine is gone); ``health``: what /health answers (None: nothing)."""
 
-    def __init__(self, backend: bool):
+    def __init__(self, backend: bool, generate_delay: float | None = 0.0):
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.health: int | None = 200
+        self.server_info = {  # /server_info's settings, as a server started by serve_command reports them
+            "model_config": {"logprobs_mode": "processed_logprobs", "dtype": "torch.float32", "max_model_len": 256},
+            "cache_config": {"enable_prefix_caching": False},
+        }
+        self.released = threading.Event()  # lets the requests left hanging go at stop()
+        self.generating = threading.Semaphore(0)  # released once per generation request received
+        fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def reply(self, status: int, body: dict):
@@ -318,8 +330,16 @@ class FakeServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                answers = {"/v1/models": {"data": [{"id": "served"}]}, "/get_world_size": {"world_size": 1}}
-                self.reply(200, answers.get(self.path, {}))
+                if self.path == "/health" and fake.health != 200:
+                    if fake.health is None:
+                        fake.released.wait()
+                    return self.reply(fake.health or 503, {})
+                answers = {
+                    "/v1/models": {"data": [{"id": "served"}]},
+                    "/get_world_size": {"world_size": 1},
+                    "/server_info": {"vllm_config": fake.server_info},
+                }
+                self.reply(200, answers.get(self.path.split("?")[0], {}))
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
@@ -328,7 +348,10 @@ class FakeServer:
                 elif self.path == "/inference/v1/generate":
                     if "token_ids" not in body:
                         self.reply(422, {})
-                    else:  # one completion, sampled from weight version "7"
+                        return
+                    fake.generating.release()
+                    fake.released.wait(generate_delay)  # None: until stop()
+                    if not fake.released.is_set():  # one completion, sampled from weight version "7"
                         self.reply(
                             200,
                             {
@@ -355,12 +378,18 @@ class FakeServer:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.handle_error = lambda request, address: None  # a reply to a client that went away: expected
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
-    def stop(self):
+    def stop_listening(self):
+        """What a front end told to shut down does: new connections are refused, open ones stay open."""
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def stop(self):
+        self.stop_listening()
+        self.released.set()
 
 
 def test_unreachable_server_and_server_without_the_backend_are_one_line_each():
@@ -379,6 +408,40 @@ def test_unreachable_server_and_server_without_the_backend_are_one_line_each():
         ServerEngine.check_server(fake.url, "cache/tiny-qwen3-gsm8k", merge=False)  # LoRA serving needs none
     finally:
         fake.stop()
+
+
+def test_a_server_whose_settings_differ_from_the_runs_is_refused_naming_each_flag():
+    from grpo.engines.server import ServerEngine, ServerError
+
+    fake = FakeServer(backend=True)
+    try:
+        ServerEngine.check_settings(fake.url, "m", dtype="float32", max_model_len=160)  # the control: all match
+        fake.server_info["model_config"].update(
+            logprobs_mode="raw_logprobs", dtype="torch.bfloat16", quantization="fp8", max_model_len=128
+        )
+        fake.server_info["cache_config"]["enable_prefix_caching"] = True
+        with pytest.raises(ServerError, match="cannot serve this run") as caught:
+            ServerEngine.check_settings(fake.url, "m", dtype="float32", max_model_len=160)
+        message = str(caught.value)
+        flags = ("processed_logprobs", "--no-enable-prefix-caching", "--dtype float32", "fp8", "--max-model-len 160")
+        assert all(flag in message for flag in flags), message
+        assert fake.url in message and "\n" not in message
+    finally:
+        fake.stop()
+
+
+def test_modules_to_save_are_refused_in_server_mode_before_the_server_is_asked():
+    from grpo.config import ConfigError, load_config
+    from grpo.engines.build import prepare_engine
+
+    overrides = [
+        "vllm.mode=server",
+        "lora.modules_to_save=[lm_head]",
+        f"vllm.server_url=http://127.0.0.1:{free_port()}",
+    ]
+    cfg = load_config(ROOT / "recipes" / "configs" / "tiny_cpu.yaml", overrides)
+    with pytest.raises(ConfigError, match=r"lora\.modules_to_save=\['lm_head'\] would never reach the server"):
+        prepare_engine(cfg, rank=0, world=1, device_type="cpu")
 
 
 @pytest.fixture
@@ -454,6 +517,56 @@ def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_d
     with pytest.raises(ServerError, match="resume_from_checkpoint=last") as caught:
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, logprobs=0))
     assert fake.url in str(caught.value)
+
+
+@pytest.mark.parametrize("failure", ["engine dead (503)", "front end shutting down", "no answer"])
+def test_a_wait_on_a_server_that_stops_answering_ends_naming_the_url(tokenizer_dir, monkeypatch, failure):
+    """The generation never answers (the engine is gone; a front end shutting down keeps its connections open): the
+    health watch ends the wait once /health has failed for server_timeout seconds, with one line naming the URL."""
+    from vllm import SamplingParams
+
+    from grpo.engines import server as server_module
+    from grpo.engines.server import ServerEngine, ServerError
+
+    monkeypatch.setattr(server_module, "HEALTH_PROBE_S", 0.5)
+    fake = FakeServer(backend=True, generate_delay=None)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir, server_timeout=2.0)
+        engine.version = "7"
+        waiting = ThreadPoolExecutor(1).submit(engine.generate, [[1, 2, 3]] * 3, SamplingParams(max_tokens=2))
+        assert all(fake.generating.acquire(timeout=60) for _ in range(3))  # the requests are in flight
+        if failure == "engine dead (503)":
+            fake.health = 503
+        elif failure == "no answer":
+            fake.health = None
+        else:
+            fake.stop_listening()
+        start = time.monotonic()
+        with pytest.raises(ServerError, match="stopped answering while generating") as caught:
+            waiting.result(timeout=60)
+        assert 2.0 <= time.monotonic() - start < 30
+        message = str(caught.value)
+        assert fake.url in message and "resume_from_checkpoint=last" in message and "\n" not in message
+    finally:
+        fake.stop()
+
+
+def test_a_healthy_server_is_waited_for_past_the_timeout(tokenizer_dir, monkeypatch):
+    """The control: a generation slower than server_timeout on a server whose /health answers is not stopped."""
+    from vllm import SamplingParams
+
+    from grpo.engines import server as server_module
+    from grpo.engines.server import ServerEngine
+
+    monkeypatch.setattr(server_module, "HEALTH_PROBE_S", 0.5)
+    fake = FakeServer(backend=True, generate_delay=3.0)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir, server_timeout=1.0)
+        engine.version = "7"
+        samples = engine.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=2, logprobs=0))
+        assert [s.completion_ids for s in samples] == [[5, 6]] * 3
+    finally:
+        fake.stop()
 
 
 def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_tensor(server, tmp_path):
