@@ -157,6 +157,11 @@ class ServerEngine:
             raise ServerError(
                 f"the vLLM server at {self.url} stopped answering ({type(error).__name__} on {path}); {RESUME_HINT}"
             ) from None
+        if response.status_code >= 500:  # the server failed (e.g. its engine died): the run cannot go on with it
+            raise ServerError(
+                f"the vLLM server at {self.url} failed {method} {path} ({response.status_code}: "
+                f"{' '.join(response.text[:300].split())}); {RESUME_HINT}"
+            )
         if response.status_code >= 400:
             raise ServerError(f"{method} {self.url}{path} -> {response.status_code}: {response.text[:500]}")
         if "json" not in response.headers.get("content-type", ""):
