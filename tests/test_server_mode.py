@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -300,6 +301,18 @@ def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
     assert errors["first_error"] <= 1e-5
     assert errors["second_error"] <= 1e-5  # nothing of the first push is left
     assert errors["weight_version"] == "2"
+
+
+def test_a_sync_that_fails_part_way_leaves_the_previous_version_served():
+    """tests/lora_merge_fault_worker.py: a fault after 3 reloaded tensors of an update. The engine serves the previous
+    update again, bit for bit, with no parameter on the meta device; the control (no restore) leaves some on meta."""
+    figures = vllm_worker("lora_merge_fault_worker.py", Path(tempfile.mkdtemp()) / "fault.json")
+    assert "injected fault" in figures["error_True"] and "serves the previous version again" in figures["error_True"]
+    assert len(figures["reloaded_before_fault"]) == 3  # the fault came part-way through the reload
+    assert figures["on_meta_True"] == [] and figures["after_fault_vs_first"] == 0.0
+    assert figures["weight_version_after_fault"] == "1"
+    assert figures["second_vs_first"] > 1e-3  # the failed update would have changed what is served
+    assert "the server's weights are incomplete" in figures["error_False"] and figures["on_meta_False"]
 
 
 class FakeServer:

@@ -66,10 +66,8 @@ class HTTPPausingWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._post("/pause", params={"mode": "wait"})
-        try:
-            self.http.finish_weight_update(weight_version)
-        finally:
-            self._post("/resume")
+        self.http.finish_weight_update(weight_version)  # failed: the server stays paused (the workers' reply says
+        self._post("/resume")  # whether they serve the previous version again); the next sync resumes it
 
 
 class LLMWeightSyncClient:

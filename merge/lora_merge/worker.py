@@ -150,6 +150,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.base: dict[str, torch.Tensor] = {}
         self.precision_stats = True
         self.pending: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # a complete update, not yet applied
+        self.applied: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # the update served (None: the base)
 
     def init_transfer_engine(self, init_info: LoraMergeInitInfo) -> None:
         """A trainer connects: join its group, read the pristine base of its targets, reply (ok or the refusal).
@@ -172,6 +173,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
             device = self.device if init_info.base_on_device else torch.device("cpu")
             if init_info.update == "lora":
                 self.base = pristine_base(self.model_config, init_info.targets, device)
+            if self.applied and not {entry["target"] for entry in self.applied[0]} <= set(self.base):
+                self.applied = None  # an earlier trainer's update on other targets: not rebuildable from this base
         except Exception as error:
             self._reply({"ok": False, "error": str(error)})
             raise
@@ -227,9 +230,32 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         try:
             _reload(self, self._merged(entries, buffers, stats))
         except Exception as error:
-            self._reply({"ok": False, "error": f"{type(error).__name__}: {error}"})
+            outcome = (
+                "the server serves the previous version again"
+                if self._restore()
+                else "the server's weights are incomplete: restart it"
+            )
+            self._reply({"ok": False, "error": f"{type(error).__name__}: {error}; {outcome}"})
             raise
+        self.applied = (entries, buffers) if self.base else None  # "full" updates are not kept (a comparison)
         self._reply({"ok": True, **(stats.totals() if stats is not None else {})})
+
+    def _restore(self) -> bool:
+        """After a reload that failed part-way: vLLM's layer-wise reload leaves the layers it had not reached on the
+        meta device, their tensors set aside. Put those back, then reload the last complete version (the pristine
+        base before any update), so that no layer serves a mix of versions. Returns whether that worked."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        if not self.base:  # update="full" keeps no base to rebuild from
+            return False
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+            entries, buffers = self.applied or ([], {})
+            _reload(self, self._merged(entries, buffers, None))
+        except Exception:  # noqa: BLE001 - reported to the trainer as an incomplete model
+            logger.exception("%s: restoring the previous version failed", BACKEND)
+            return False
+        return True
 
     def _merged(self, entries: list[dict], buffers: dict[str, torch.Tensor], stats: MergePrecisionStats | None):
         """``(name, W_base + delta)`` for every tensor of the reloaded layers, in layer order; delta in fp32, one
