@@ -315,6 +315,28 @@ def test_a_sync_that_fails_part_way_leaves_the_previous_version_served():
     assert "the server's weights are incomplete" in figures["error_False"] and figures["on_meta_False"]
 
 
+def test_an_fp16_server_refuses_merged_weights_past_fp16s_range():
+    """The worker's merge checks each merged float16 tensor before it is reloaded (a failure restores the previous
+    version, as above)."""
+    from types import SimpleNamespace
+
+    from merge.lora_merge import LoraMergeWeightTransferEngine, WeightTransferError
+
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.float16), device=torch.device("cpu"), base={"w": torch.ones(4, 4)}
+    )
+
+    def merge(scale: float):  # W = 1 everywhere, B @ A = 1 everywhere (B: 4 x 1, A: 1 x 4 of ones)
+        entry = dict(target="w", kind="lora", scale=scale, transpose=False, b=["float32", 0, [4, 1]])
+        entry["a"] = ["float32", 4, [1, 4]]
+        return list(LoraMergeWeightTransferEngine._merged(engine, [entry], {"float32": torch.ones(8)}, None))
+
+    [(name, merged)] = merge(1.0)  # the control: 2 everywhere
+    assert name == "w" and merged.dtype == torch.float16 and bool((merged == 2).all())
+    with pytest.raises(WeightTransferError, match="the merged w holds 16 inf/NaN entries in float16"):
+        merge(1e5)
+
+
 class FakeServer:
     """An HTTP server answering the routes `ServerEngine.check_server` probes, as a vLLM server would; ``backend``:
     whether /collective_rpc finds a weight-transfer engine. ``generate_delay``: seconds a generation takes (None:

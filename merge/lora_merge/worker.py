@@ -288,6 +288,12 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                 merged = (base.float() + delta).to(dtype)
             if stats is not None:
                 stats.add(base.to(dtype), delta, merged)
+            if dtype == torch.float16 and not bool(torch.isfinite(merged).all()):  # past 65504: inf in the cast
+                raise WeightTransferError(
+                    f"the merged {name} holds {int((~torch.isfinite(merged)).sum())} inf/NaN entries in float16 "
+                    "(its range ends at 65504); resume from the last checkpoint with a lower learning_rate, or train "
+                    "in bfloat16"
+                )
             yield name, merged
 
     def shutdown(self) -> None:
