@@ -102,7 +102,7 @@ def test_sleep_mode_sequence_follows_trl(monkeypatch, sleep_level):
         engine.generate([[3]], sampling=None)
     assert RecordingLLM.calls == [
         ("LLM", True),
-        ("_classes_without_own_weights", []),
+        ("classes_without_own_weights", []),
         ("sleep", sleep_level),
         ("wake_up", ("weights",)),
         ("reload_repacking_cpu_experts", ["weights_iterator"]),
@@ -124,7 +124,7 @@ def test_without_sleep_mode_the_engine_never_sleeps(monkeypatch):
     engine.generate([[1]], sampling=None)
     with engine.awake():
         engine.generate([[1]], sampling=None)
-    assert [c[0] for c in RecordingLLM.calls] == ["LLM", "_classes_without_own_weights", "generate", "generate"]
+    assert [c[0] for c in RecordingLLM.calls] == ["LLM", "classes_without_own_weights", "generate", "generate"]
 
 
 class SleepContractLLM:
