@@ -604,6 +604,25 @@ def test_a_healthy_server_is_waited_for_past_the_timeout(tokenizer_dir, monkeypa
         fake.stop()
 
 
+def test_a_server_gone_during_a_sync_stops_naming_the_url_and_how_to_resume(tokenizer_dir, monkeypatch):
+    from grpo.engines.server import ServerEngine, ServerError
+    from merge.lora_merge import LoraMergeTrainer
+
+    def send_weights(trainer, model, weight_version=None):  # what the sync's /pause meets on a server gone
+        raise requests.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(LoraMergeTrainer, "send_weights", send_weights)
+    fake = FakeServer(backend=True)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir)
+        with pytest.raises(ServerError, match="stopped answering during a weight sync") as caught:
+            engine.sync_policy(None, None, version=3, rank=0)
+        assert fake.url in str(caught.value) and "resume_from_checkpoint=last" in str(caught.value)
+        assert engine.version is None  # nothing is generated on weights the server may not hold
+    finally:
+        fake.stop()
+
+
 def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_tensor(server, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -288,15 +288,25 @@ class ServerEngine:
         """Make the server serve the policy as weight version ``version`` (a collective: every rank calls it; under
         FSDP2 the factors are gathered on every rank, rank 0 sends them). Returns rank 0's sync figures, on every
         rank."""
-        metrics = self._sync_merged(model, version) if self.merge else self._sync_adapter(model, adapter_dir, version)
+        try:
+            if self.merge:
+                metrics = self._sync_merged(model, version)
+            else:
+                metrics = self._sync_adapter(model, adapter_dir, version)
+        except ServerError as error:  # rank 0 drives the sync: the other ranks learn of its failure below
+            metrics = error
         if torch.distributed.is_initialized():  # no rank generates before the server serves the new version
             shared = [metrics]
             torch.distributed.broadcast_object_list(shared, src=0)  # every rank logs rank 0's figures
             metrics = shared[0]
+        if isinstance(metrics, ServerError):  # every rank stops with the same line
+            raise metrics
         self.version = str(version)
         return metrics
 
     def _sync_merged(self, model, version: int) -> dict[str, float]:
+        import requests
+
         from merge.lora_merge import LoraMergeTrainer, WeightTransferError
 
         if self.transfer is None:  # one group: this trainer's rank 0 and every worker of the server
@@ -318,6 +328,11 @@ class ServerEngine:
             stats = self.transfer.send_weights(model, weight_version=str(version))
         except WeightTransferError as error:
             raise ServerError(f"weight sync to {self.url} refused: {error}") from None
+        except requests.RequestException as error:  # the server went away during the sync's HTTP calls
+            raise ServerError(
+                f"the vLLM server at {self.url} stopped answering during a weight sync ({type(error).__name__}); "
+                f"{RESUME_HINT}"
+            ) from None
         return {**{k: v for k, v in stats.items() if v == v}, "sync_bytes": self.transfer.last_sync["sync_bytes"]}
 
     def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:
