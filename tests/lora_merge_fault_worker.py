@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 import torch
 from lora_merge_moe_worker import policy
-from qwen3_moe_lora import tiny_cpu_llm, tiny_qwen3_moe
+from qwen3_moe_lora import served_logprobs, tiny_cpu_llm, tiny_qwen3_moe
 
 from merge.lora_merge import LoraMergeTrainer, LoraMergeWeightTransferEngine, WeightTransferError
 from merge.vllm_compat import in_process_model
@@ -25,25 +25,13 @@ FAULT_AFTER = 3  # tensors reloaded before the fault
 
 
 def main(out_path: str) -> None:
-    from vllm import SamplingParams
-
     model_dir = tempfile.mkdtemp()
     tiny_qwen3_moe(tie=False).save_pretrained(model_dir)
     llm = tiny_cpu_llm(model_dir, weight_transfer_config={"backend": "lora_merge"})
     tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
 
     def served() -> torch.Tensor:
-        outputs = llm.generate(
-            [{"prompt_token_ids": row.tolist()} for row in tokens],
-            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
-            use_tqdm=False,
-        )
-        return torch.tensor(
-            [
-                [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], row[1:].tolist())]
-                for out, row in zip(outputs, tokens)
-            ]
-        )
+        return served_logprobs(llm, tokens)
 
     merged, reloaded, faults = LoraMergeWeightTransferEngine._merged, [], []
 

@@ -73,3 +73,20 @@ def tiny_cpu_llm(model_dir: str, **engine_args):
         skip_tokenizer_init=True,
         **engine_args,
     )
+
+
+def served_logprobs(llm, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token t | tokens before t) for t >= 1 as ``llm`` serves them (its prompt log-probs)."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate(
+        [{"prompt_token_ids": row.tolist()} for row in tokens],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+        use_tqdm=False,
+    )
+    return torch.tensor(
+        [
+            [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], row[1:].tolist())]
+            for out, row in zip(outputs, tokens)
+        ]
+    )

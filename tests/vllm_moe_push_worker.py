@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the 
 
 import torch
 from peft import LoraConfig, get_peft_model
-from qwen3_moe_lora import ATTENTION, EXPERTS, tiny_cpu_llm, tiny_qwen3_moe
+from qwen3_moe_lora import ATTENTION, EXPERTS, served_logprobs, tiny_cpu_llm, tiny_qwen3_moe
 from transformers import AutoModelForCausalLM
 
 from merge import merged_lora_params
@@ -53,8 +53,6 @@ def most_routed_expert(model, tokens: torch.Tensor, layer: int) -> int:
 
 
 def main(out_path: str, model_dir: str | None) -> None:
-    from vllm import SamplingParams
-
     if model_dir is None:
         model_dir = tempfile.mkdtemp()
         tiny_qwen3_moe().save_pretrained(model_dir)
@@ -74,17 +72,7 @@ def main(out_path: str, model_dir: str | None) -> None:
     llm = tiny_cpu_llm(model_dir)
 
     def vllm_logprobs() -> torch.Tensor:
-        outputs = llm.generate(
-            [{"prompt_token_ids": row.tolist()} for row in tokens],
-            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
-            use_tqdm=False,
-        )
-        return torch.tensor(
-            [
-                [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], row[1:].tolist())]
-                for out, row in zip(outputs, tokens)
-            ]
-        )
+        return served_logprobs(llm, tokens)
 
     def largest_error(reference: torch.Tensor) -> float:
         return (vllm_logprobs() - reference).abs().max().item()  # NaN if vLLM computes NaN: never within a bound
