@@ -148,20 +148,20 @@ class ServerEngine:
         )
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
+    def _gone(self, what_happened: str) -> ServerError:
+        """The one line a run stops with when the server goes away mid-run: the URL, what happened, how to resume."""
+        return ServerError(f"the vLLM server at {self.url} {what_happened}; {RESUME_HINT}")
+
     def _request(self, method: str, path: str, **kwargs):
         import requests
 
         try:
             response = self.http.request(method, f"{self.url}{path}", timeout=self.timeout, **kwargs)
         except (requests.ConnectionError, requests.Timeout) as error:
-            raise ServerError(
-                f"the vLLM server at {self.url} stopped answering ({type(error).__name__} on {path}); {RESUME_HINT}"
-            ) from None
+            raise self._gone(f"stopped answering ({type(error).__name__} on {path})") from None
         if response.status_code >= 500:  # the server failed (e.g. its engine died): the run cannot go on with it
-            raise ServerError(
-                f"the vLLM server at {self.url} failed {method} {path} ({response.status_code}: "
-                f"{' '.join(response.text[:300].split())}); {RESUME_HINT}"
-            )
+            text = " ".join(response.text[:300].split())
+            raise self._gone(f"failed {method} {path} ({response.status_code}: {text})")
         if response.status_code >= 400:
             raise ServerError(f"{method} {self.url}{path} -> {response.status_code}: {response.text[:500]}")
         if "json" not in response.headers.get("content-type", ""):
@@ -198,10 +198,9 @@ class ServerEngine:
             elif unhealthy_since is None:
                 unhealthy_since = time.monotonic()
             elif time.monotonic() - unhealthy_since >= self.server_timeout:
-                raise ServerError(
-                    f"the vLLM server at {self.url} stopped answering while {what} ({problem} for "
-                    f"{time.monotonic() - unhealthy_since:.0f} s, vllm.server_timeout={self.server_timeout:g}); "
-                    f"{RESUME_HINT}"
+                raise self._gone(
+                    f"stopped answering while {what} ({problem} for {time.monotonic() - unhealthy_since:.0f} s, "
+                    f"vllm.server_timeout={self.server_timeout:g})"
                 )
         return [future.result() for future in futures]
 
@@ -329,10 +328,7 @@ class ServerEngine:
         except WeightTransferError as error:
             raise ServerError(f"weight sync to {self.url} refused: {error}") from None
         except requests.RequestException as error:  # the server went away during the sync's HTTP calls
-            raise ServerError(
-                f"the vLLM server at {self.url} stopped answering during a weight sync ({type(error).__name__}); "
-                f"{RESUME_HINT}"
-            ) from None
+            raise self._gone(f"stopped answering during a weight sync ({type(error).__name__})") from None
         return {**{k: v for k, v in stats.items() if v == v}, "sync_bytes": self.transfer.last_sync["sync_bytes"]}
 
     def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:
