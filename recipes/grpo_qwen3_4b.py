@@ -31,6 +31,7 @@ The parts live in the `grpo` package (README.md's layout says what each module h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -50,11 +51,27 @@ def load_config_or_exit(argv: list[str] | None = None) -> RecipeConfig:
         exit_refused(err)
 
 
+def exit_with_line(err: Exception, code: int, every_rank: bool = False) -> None:
+    """Print ``error: <err>`` (rank 0 only, unless ``every_rank``) and exit with ``code``. Under ``accelerate
+    launch`` / torchrun the line also goes to torchelastic's error file, so that the launcher's failure summary
+    names it instead of "To enable traceback see ..." (the launcher still exits 1 with its own summary)."""
+    line = f"error: {err}"
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import json
+        import time
+
+        with contextlib.suppress(OSError):
+            with open(error_file, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+    sys.exit(code)
+
+
 def exit_refused(err: Exception) -> None:
     """A bad input found before any work: one line, from one process, exit code 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    exit_with_line(err, 2)
 
 
 if __name__ == "__main__":
@@ -452,5 +469,4 @@ if __name__ == "__main__":
     try:
         main(CONFIG)
     except ServerError as err:  # the server went away mid-run: one line from each rank that waited on it
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        exit_with_line(err, 1, every_rank=True)

@@ -227,9 +227,11 @@ def test_a_config_error_is_one_line_from_one_process_with_exit_code_2(tmp_path):
         timeout=300,
     )
     assert launched.returncode != 0
-    ours = [line for line in launched.stderr.splitlines() if "top_p" in line]
-    assert ours == ["error: top_p=1.5 is out of range: it must be in (0, 1]"], launched.stderr[-3000:]  # rank 0 only
+    line = "error: top_p=1.5 is out of range: it must be in (0, 1]"
+    ours = [text for text in launched.stderr.splitlines() if text.startswith("error:")]
+    assert ours == [line], launched.stderr[-3000:]  # rank 0 only
     assert "[rank" not in launched.stderr  # no traceback from the recipe's processes (the launcher adds its summary)
+    assert f"traceback : {line}" in launched.stderr  # the launcher's summary names the line (torchelastic's error file)
 
 
 def test_a_lora_target_that_matches_nothing_is_refused_before_the_model_loads(tmp_path, tiny_model):

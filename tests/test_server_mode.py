@@ -455,10 +455,12 @@ def test_a_server_whose_settings_differ_from_the_runs_is_refused_naming_each_fla
             logprobs_mode="raw_logprobs", dtype="torch.bfloat16", quantization="fp8", max_model_len=128
         )
         fake.server_info["cache_config"]["enable_prefix_caching"] = True
+        fake.server_info["parallel_config"] = {"data_parallel_size": 2, "data_parallel_hybrid_lb": True}
         with pytest.raises(ServerError, match="cannot serve this run") as caught:
             ServerEngine.check_settings(fake.url, "m", dtype="float32", max_model_len=160)
         message = str(caught.value)
         flags = ("processed_logprobs", "--no-enable-prefix-caching", "--dtype float32", "fp8", "--max-model-len 160")
+        flags += ("--data-parallel-hybrid-lb",)
         assert all(flag in message for flag in flags), message
         assert fake.url in message and "\n" not in message
     finally:

@@ -269,6 +269,13 @@ class ServerEngine:
             problems.append(f"it serves {served}, the trainer computes in model.dtype={dtype} (--dtype {dtype})")
         if model_config.get("quantization"):
             problems.append(f"it serves {model_config['quantization']}-quantized weights (serve the unquantized base)")
+        parallel = config.get("parallel_config") or {}
+        if merge and (parallel.get("data_parallel_external_lb") or parallel.get("data_parallel_hybrid_lb")):
+            problems.append(
+                "its data-parallel ranks are balanced by an external load balancer (--data-parallel-rank, "
+                "--data-parallel-hybrid-lb): this front end reaches only its own engines, so a weight update would "
+                "wait for the others; serve one data-parallel group behind one front end (internal balancing)"
+            )
         if int(model_config.get("max_model_len") or 0) < max_model_len:
             problems.append(
                 f"its max_model_len {model_config.get('max_model_len')} is shorter than data.max_prompt_length + "
