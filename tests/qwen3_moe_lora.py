@@ -59,11 +59,11 @@ def tiny_moe_lora(
 
 
 def tiny_cpu_llm(model_dir: str, **engine_args):
-    """An in-process fp32 vLLM engine on a tiny model (token ids in, no tokenizer), as the MoE workers use it."""
+    """An in-process vLLM engine (fp32 unless ``dtype`` says otherwise) on a tiny model (token ids in, no
+    tokenizer), as the MoE workers use it."""
     from vllm import LLM
 
-    return LLM(
-        model=model_dir,
+    defaults = dict(
         dtype="float32",
         seed=0,
         enforce_eager=True,
@@ -71,8 +71,8 @@ def tiny_cpu_llm(model_dir: str, **engine_args):
         kv_cache_memory_bytes=32 * 2**20,
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
-        **engine_args,
     )
+    return LLM(model=model_dir, **{**defaults, **engine_args})
 
 
 def served_logprobs(llm, tokens: torch.Tensor) -> torch.Tensor:

@@ -286,6 +286,10 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert "continuing at rollout step 3 of 3" in resumed.stderr
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "3"  # its own push, numbered as before
+    # fidelity on every step, before and after the resume: what vLLM sampled is what the trainer scores
+    assert [m["rollout_step"] for m in metrics] == [1, 2, 3]
+    assert max(m["rollout_logprob_diff_mean"] for m in metrics) <= 1e-6, metrics
+    assert [m["ratio_onpolicy_maxdev"] for m in metrics] == [0.0, 0.0, 0.0]
     got, want = [deterministic(m) for m in metrics], [deterministic(m) for m in expected]
     print(f"compared {sum(len(line) for line in want)} keys x lines ({len(want)} lines)")
     assert len(want) == 3 and len(want[0]) > 20
@@ -313,6 +317,17 @@ def test_a_sync_that_fails_part_way_leaves_the_previous_version_served():
     assert figures["weight_version_after_fault"] == "1"
     assert figures["second_vs_first"] > 1e-3  # the failed update would have changed what is served
     assert "the server's weights are incomplete" in figures["error_False"] and figures["on_meta_False"]
+
+
+def test_a_bf16_server_serves_the_unmerged_peft_model_from_bf16_factors():
+    """tests/lora_merge_bf16_worker.py: a bf16 in-process engine, the factors sent in bf16 (half the fp32 bytes) and
+    merged in fp32. Served log-probs against the unmerged peft model at the precision the server holds: within
+    bf16's rounding of the merged weights after the push; the control (before it) is far off."""
+    figures = vllm_worker("lora_merge_bf16_worker.py", Path(tempfile.mkdtemp()) / "bf16.json")
+    assert figures["sync_bytes"] * 2 == figures["fp32_factor_bytes"]
+    assert figures["after_mean"] <= 5e-3 and figures["after_max"] <= 5e-2, figures
+    assert figures["before_mean"] > 20 * figures["after_mean"], figures  # the push is what makes them agree
+    assert figures["sync_delta_kept"] == pytest.approx(1.0, abs=0.01)  # bf16's cast keeps the update
 
 
 def test_an_fp16_server_refuses_merged_weights_past_fp16s_range():
