@@ -21,7 +21,9 @@ through the recipe's `ServerEngine.sync_policy` (``/pause``, the transfer, ``/re
                            server
 
 Each repetition runs the modes in turn (order reversed every other repetition); a lora_merge mode first reconnects
-(its own group, the pristine base read again) and syncs once untimed, so only a steady-state sync is timed. Bytes:
+(its own group, the pristine base read again), and every mode syncs once untimed, so only a steady-state sync is
+timed. Times over the full sync's are paired: each repetition's ratio (the two ran back to back), their median and
+spread; the 1-minute load average is recorded after each repetition. Bytes:
 what crosses the wire (the factors, the weights) or the adapter file. After lora_merge (with fp32 factors where
 there is that mode) and after full the server's greedy log-probs on fixed prompts are compared: both must serve the
 same weights.
@@ -196,13 +198,14 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
                 metrics = merged.sync_policy(peft_model, None, next(version), 0)
             return time.perf_counter() - start, metrics
 
+        load = []  # the 1-minute load average after each repetition: what else shared the cores meanwhile
         for rep in range(args.reps):
             for mode in modes if rep % 2 == 0 else list(modes)[::-1]:
-                if mode != "adapter":  # reconnect in this mode, then one untimed sync (it connects)
+                if mode != "adapter":  # reconnect in this mode (it reads the pristine base again)
                     if merged.transfer is not None:
                         merged.transfer.shutdown()
                     merged.transfer = LoraMergeTrainer.connect(merge_url, rank=0, num_workers=1, **modes[mode])
-                    sync(mode)
+                sync(mode)  # one untimed sync in every mode (lora_merge's connects): only steady state is timed
                 elapsed, metrics = sync(mode)
                 seconds[mode].append(elapsed)
                 if mode == "adapter":
@@ -212,6 +215,7 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
                     wire_seconds[mode].append(merged.transfer.last_sync["sync_seconds"])
                     if rep == 0 and mode in ("lora_merge_fp32_factors" if merged.wire_dtype else "lora_merge", "full"):
                         checks[mode] = greedy_logprobs(merged)
+            load.append(os.getloadavg()[0])
 
         if zero_model is not None:  # rollouts need the lora_merge connection and the adapter on the LoRA server
             merged.transfer.shutdown()
@@ -230,6 +234,7 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
         parameters=sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n),
         factor_bytes_counted=factor_bytes(peft_model),
         repetitions=args.reps,
+        load_average_1min_per_repetition=load,
         modes=mode_figures(modes, nbytes, seconds, wire_seconds),
         # lora_merge with fp32 factors (the full sync merges those, as the server does): the same weights, the same
         # greedy log-probs. (With bf16 factors, 7% of the merged weights move by one ulp, and on a random model's
@@ -246,15 +251,22 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
     return result
 
 
+def paired(ratios: list[float]) -> dict:
+    """Ratios measured within one repetition each (the two syncs ran back to back, under the same load): their
+    median and their spread."""
+    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios), per_repetition=ratios)
+
+
 def mode_figures(modes: dict, nbytes: dict, seconds: dict, wire_seconds: dict) -> dict:
-    """Per sync mode: its bytes and median seconds, each also over the full sync's, the median time on the wire
-    and in the server (lora_merge and full), the raw samples and what the mode's settings mean."""
+    """Per sync mode: its bytes and median seconds, the bytes over the full sync's, the time over the full sync's
+    as the median of the per-repetition ratios with their spread (`paired`), the median time on the wire and in
+    the server (lora_merge and full), the raw samples and what the mode's settings mean."""
     return {
         mode: dict(
             bytes=nbytes[mode],
             bytes_over_full=nbytes[mode] / nbytes["full"],
             median_s=statistics.median(seconds[mode]),
-            median_s_over_full=statistics.median(seconds[mode]) / statistics.median(seconds["full"]),
+            s_over_full_paired=paired([t / full for t, full in zip(seconds[mode], seconds["full"])]),
             median_wire_and_server_s=(statistics.median(wire_seconds[mode]) if wire_seconds[mode] else None),
             raw_s=seconds[mode],
             **settings_note(mode, modes.get(mode, {})),
@@ -276,13 +288,19 @@ def settings_note(mode: str, settings: dict) -> dict:
     return dict(what=notes[mode], trainer_settings=settings)
 
 
+def at_36_layers(one: float, four: float) -> float:
+    return one + (QWEN3_4B_LAYERS - 1) * (four - one) / 3
+
+
 def extrapolate(one: dict, four: dict) -> dict:
     """Qwen3-4B's 36 layers from its 1- and 4-layer slices: per mode, bytes and seconds on the line through the two
-    depths (bytes exactly: every layer sends the same, the rest is fixed)."""
+    depths (bytes exactly: every layer sends the same, the rest is fixed). The time over the full sync's is also
+    extrapolated per repetition (repetition i of both depths, each mode against full), its median and spread: a
+    slope through two noisy medians alone says nothing about how far the ratio can be trusted."""
     out = dict(
         how="per mode, the line through the 1-layer and the 4-layer measurements: "
         "x(36) = x(1) + 35 * (x(4) - x(1)) / 3, for the bytes (exact) and the median seconds (fixed costs once, "
-        "the per-layer cost 36 times)",
+        "the per-layer cost 36 times); s_over_full_paired: the same line per repetition, each mode over full",
         layers=QWEN3_4B_LAYERS,
         modes={},
     )
@@ -296,10 +314,28 @@ def extrapolate(one: dict, four: dict) -> dict:
             seconds_per_layer=per_layer[1],
         )
     full = out["modes"]["full"]
-    for mode in out["modes"].values():
+    raw = {depth: r["modes"] for depth, r in ((1, one), (4, four))}
+    full_36 = [at_36_layers(a, b) for a, b in zip(raw[1]["full"]["raw_s"], raw[4]["full"]["raw_s"])]
+    for name, mode in out["modes"].items():
         mode["bytes_over_full"] = mode["bytes"] / full["bytes"]
-        mode["seconds_over_full"] = mode["seconds"] / full["seconds"]
+        mode_36 = [at_36_layers(a, b) for a, b in zip(raw[1][name]["raw_s"], raw[4][name]["raw_s"])]
+        mode["s_over_full_paired"] = paired([t / f for t, f in zip(mode_36, full_36)])
     return out
+
+
+def report(path: Path) -> None:
+    """Recompute the summaries of a run's JSON from its raw repetitions (``raw_s``), in place: the file keeps its
+    measurements and its ``command``; ``report_command`` records this step."""
+    out = json.loads(path.read_text())
+    for result in out["models"].values():
+        for mode in result["modes"].values():
+            mode.pop("median_s_over_full", None)  # the ratio of two medians, replaced by the paired ratios
+            full = result["modes"]["full"]["raw_s"]
+            mode["s_over_full_paired"] = paired([t / f for t, f in zip(mode["raw_s"], full)])
+    if set(DEPTHS) <= set(out["models"]):
+        out["qwen3_4b_36_layers"] = extrapolate(*(out["models"][name] for name in DEPTHS))
+    out["report_command"] = f"python bench/bench_server.py --report {path}"
+    path.write_text(json.dumps(out, indent=2))
 
 
 def bench_rollout(
@@ -378,12 +414,17 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("cache"))
     parser.add_argument("--tiny-model", help="the 'tiny' model's folder (default: the embedded default, in --cache)")
     parser.add_argument("--out", type=Path, default=Path("results/bench_server.json"))
+    parser.add_argument("--report", type=Path, help="recompute the summaries of this run's JSON, measuring nothing")
     args = parser.parse_args()
+    if args.report:
+        report(args.report)
+        return
     start = time.perf_counter()
     out = dict(
         machine=machine_info(),
         command="python bench/bench_server.py " + " ".join(sys.argv[1:]),
-        note="one run on a shared machine: timings are medians of interleaved repetitions, read the ratios",
+        note="one run on a shared machine: timings are medians of interleaved repetitions; read the paired ratios "
+        "(each repetition's syncs ran back to back) with their spread, and the load recorded per repetition",
         models={},
     )
     with tempfile.TemporaryDirectory(prefix="bench-server-logs-") as logs:
@@ -394,7 +435,8 @@ def main() -> None:
             for mode, r in result["modes"].items():
                 print(
                     f"{name} {mode}: {r['bytes'] / 2**20:.2f} MiB ({100 * r['bytes_over_full']:.2f}% of full), "
-                    f"median {r['median_s']:.3f} s ({r['median_s_over_full']:.2f}x full)",
+                    f"median {r['median_s']:.3f} s ({r['s_over_full_paired']['median']:.2f}x full, paired, "
+                    f"{r['s_over_full_paired']['min']:.2f}-{r['s_over_full_paired']['max']:.2f})",
                     flush=True,
                 )
             if "rollout" in result:
@@ -409,7 +451,8 @@ def main() -> None:
         for mode, r in out["qwen3_4b_36_layers"]["modes"].items():
             print(
                 f"36 layers {mode}: {r['bytes'] / 2**30:.3f} GiB ({100 * r['bytes_over_full']:.2f}%), "
-                f"~{r['seconds']:.2f} s ({r['seconds_over_full']:.2f}x)",
+                f"~{r['seconds']:.2f} s ({r['s_over_full_paired']['median']:.2f}x paired, "
+                f"{r['s_over_full_paired']['min']:.2f}-{r['s_over_full_paired']['max']:.2f})",
                 flush=True,
             )
     out["wall_s"] = time.perf_counter() - start

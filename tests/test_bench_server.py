@@ -36,6 +36,9 @@ def test_bench_server_smallest_mode(tiny_model, tmp_path):
     assert full["bytes"] == 4 * tiny["parameters"]  # every fp32 weight of the model, the tied embedding once
     assert lora_merge["bytes"] < 0.2 * full["bytes"]
     assert lora_merge["median_s"] > 0 and full["median_s"] > 0
+    paired = lora_merge["s_over_full_paired"]  # each repetition's ratio, the two syncs back to back
+    assert paired["per_repetition"] == [lora_merge["raw_s"][0] / full["raw_s"][0]] == [paired["median"]]
+    assert len(tiny["load_average_1min_per_repetition"]) == 1
     # both modes make the server serve the same weights
     assert tiny["greedy_logprobs_compared"] >= 30
     assert tiny["full_vs_lora_merge_greedy_logprobs_max_abs_diff"] <= 1e-6
