@@ -27,19 +27,20 @@ done
 # vllm.mode=server (docs/server.md): the main run's config with rollouts from a `vllm serve` on the same machine,
 # in fp32 (results/tiny-cpu-server) and in bf16 as the precision set's runs (results/precision/bf16-server)
 serve_tiny() {  # $1: the server's dtype, $2: its log's name; the server's pid in $server once it answers
+  if curl -sf http://127.0.0.1:8391/health > /dev/null; then echo "another server answers on port 8391" >&2; exit 1; fi
   VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model cache/tiny-qwen3-gsm8k \
-      --host 127.0.0.1 --port 8011 --dtype "$1" --enforce-eager --max-model-len 160 --kv-cache-memory-bytes 268435456 \
+      --host 127.0.0.1 --port 8391 --dtype "$1" --enforce-eager --max-model-len 160 --kv-cache-memory-bytes 268435456 \
       --enable-scale-out --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs \
       --no-enable-prefix-caching --max-num-batched-tokens 16384 > "${TMPDIR:-/tmp}/$2.serve.log" 2>&1 &
   server=$!
-  until curl -sf http://127.0.0.1:8011/health > /dev/null; do kill -0 $server; sleep 2; done
+  until curl -sf http://127.0.0.1:8391/health > /dev/null; do kill -0 $server; sleep 2; done
 }
 serve_tiny float32 tiny-cpu-server
-"${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8011 run_name=tiny-cpu-server
+"${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 run_name=tiny-cpu-server
 kill $server; wait $server || true
 serve_tiny bfloat16 bf16-server
 "${launch[@]}" "${tiny[@]}" model.dtype=bfloat16 max_steps=80 output_dir=results/precision run_name=bf16-server \
-    vllm.mode=server vllm.server_url=http://127.0.0.1:8011
+    vllm.mode=server vllm.server_url=http://127.0.0.1:8391
 kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml --output_dir results
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
