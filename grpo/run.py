@@ -164,32 +164,40 @@ def keep_on_resume(line: dict, resumed_rollout_step: int) -> bool:
 
 
 def check_paths(cfg: RecipeConfig, rank: int) -> None:
-    """Before any work (rank 0): output_dir is a folder this process can create and write into (folders made to find
-    out are removed again), and the embedded default is built only under cache/ (a mistyped model.name_or_path would
-    otherwise get a model built there)."""
+    """Before any work: output_dir is a folder rank 0 can create and write into (folders made to find out are
+    removed again; every rank refuses with rank 0's finding), and the embedded default is built only under cache/
+    (a mistyped model.name_or_path would otherwise get a model built there)."""
     cache = Path("cache").resolve()
     if cfg.model.build_tiny and not Path(cfg.model.name_or_path).resolve().is_relative_to(cache):
         raise ConfigError(
             f"model.build_tiny={cfg.model.build_tiny!r} builds the embedded default under {cache} only, not at "
             f"model.name_or_path={cfg.model.name_or_path!r}; for a model of your own, set model.build_tiny=null"
         )
-    if rank != 0:
-        return
-    output_dir = Path(cfg.output_dir)
+    problem = output_dir_problem(cfg.output_dir) if rank == 0 else None
+    if torch.distributed.is_initialized():  # the other ranks would otherwise wait for rank 0 in a collective
+        shared = [problem]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def output_dir_problem(path: str) -> str | None:
+    """What keeps this process from writing runs into ``path``, or None."""
+    output_dir = Path(path)
     if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"output_dir={cfg.output_dir!r} is a file, not a folder")
+        return f"output_dir={path!r} is a file, not a folder"
     made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         writable = os.access(output_dir, os.W_OK | os.X_OK)
     except OSError as error:
-        raise ConfigError(f"output_dir={cfg.output_dir!r} cannot be created: {error.strerror or error}") from None
+        return f"output_dir={path!r} cannot be created: {error.strerror or error}"
     finally:
         for folder in made:
             with contextlib.suppress(OSError):
                 folder.rmdir()
-    if not writable:
-        raise ConfigError(f"output_dir={cfg.output_dir!r} is not writable by this process")
+    return None if writable else f"output_dir={path!r} is not writable by this process"
 
 
 def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:

@@ -307,3 +307,16 @@ def test_output_dir_and_the_embedded_models_place_are_checked_before_any_work(tm
     proc = run_recipe(tmp_path, "model.build_tiny=null", f"output_dir={a_file}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: output_dir={str(a_file)!r} is a file, not a folder"]
+    # under the launcher every rank refuses with rank 0's finding: no rank is left waiting for rank 0 in a collective
+    launched = subprocess.run(
+        launch_command(Path(a_file), "unused"),
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert [line for line in launched.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: output_dir={str(a_file)!r} is a file, not a folder"
+    ], launched.stderr[-3000:]
+    assert "[rank" not in launched.stderr, launched.stderr[-3000:]
