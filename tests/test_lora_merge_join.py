@@ -158,7 +158,7 @@ def test_a_worker_that_never_joins_fails_the_trainer_fast_naming_it(nccl, failur
 
 
 def test_control_without_the_warm_up_the_trainer_blocks_in_communicator_init(nccl, monkeypatch):
-    monkeypatch.setattr(wire, "_warm_up", lambda group, transport: Enqueued())  # lazy, as before
+    monkeypatch.setattr(wire, "_warm_up", lambda group, device: Enqueued())  # lazy, as before
     port, call = free_port(), Future()
     group, store = connect("127.0.0.1", port, 0, 2, "nccl", 3, "init", pending_call=call)  # returns: nothing joined
     assert nccl.groups[0].ops == []  # no communicator yet: the first reply will create it
@@ -262,3 +262,27 @@ def test_a_worker_that_cannot_take_part_in_an_update_fails_every_rank_naming_it_
     engines.clear()  # rank 2's group closes: the broadcast left waiting fails, no thread outlives the test
     control["join"](10)
     assert 0 in control
+
+
+def test_the_servers_failed_call_gives_way_to_the_failure_a_worker_posted():
+    store = torch.distributed.PrefixStore(
+        "lora_merge", torch.distributed.TCPStore("127.0.0.1", free_port(), 3, True, wait_for_workers=False)
+    )
+    call = Future()
+    call.set_exception(RuntimeError("500 Internal Server Error for /update_weights"))
+    with pytest.raises(RuntimeError, match="500 Internal Server Error"):  # control: nothing posted, the call's error
+        wire.call_result(call, "lora_merge update", store)
+    wire.post_failure(store, 2, "lora_merge update: torch.OutOfMemoryError: CUDA out of memory")
+    wire.post_failure(store, 1, "lora_merge update: a later failure")  # the first posted stays
+    expected = "lora_merge update: the server's worker of rank 2 failed: lora_merge update: torch.OutOfMemoryError"
+    with pytest.raises(WeightTransferError, match=expected):
+        wire.call_result(call, "lora_merge update", store)
+    with pytest.raises(WeightTransferError, match=expected):  # and a wait that sees both prefers the worker's words
+        wire.wait(
+            NeverCompletes(), "lora_merge update", transport="nccl", group=NcclAbort(), pending_call=call, store=store
+        )
+
+
+class NcclAbort:
+    def abort(self) -> None:
+        pass

@@ -35,6 +35,7 @@ from merge.lora_merge.wire import (
     TRANSPORTS,
     WeightTransferError,
     broadcast,
+    call_result,
     close_group,
     connect,
     free_port,
@@ -170,7 +171,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
                 info.master_address, port, 0, world_size, info.transport, info.timeout_s, what, pending_call=call
             )
             recv_reply(self.group, info.transport, world_size, what, pending_call=call, store=self.store)
-            call.result()
+            call_result(call, what, self.store)
         except BaseException:
             self.shutdown()  # the next sync connects anew
             raise
@@ -216,11 +217,11 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
                 work = broadcast(self.group, buffer.to(device))
                 watch = {"pending_call": call, "store": self.store}
                 wait(work, f"{BACKEND} update", transport=transport, group=self.group, **watch)
-            call.result()
+            call_result(call, f"{BACKEND} update", self.store)
             call = pool.submit(self.client.finish_weight_update, weight_version)
             world_size, what = 1 + self.init_info.num_workers, f"{BACKEND} finish"
             reply = recv_reply(self.group, transport, world_size, what, pending_call=call, store=self.store)
-            call.result()
+            call_result(call, what, self.store)
         finally:
             pool.shutdown(wait=False)
         self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}

@@ -19,7 +19,7 @@ trainer hosts, and aborts the group when the store closes. The trainer stops wai
 that makes the server's side of the collective fails. A worker that fails where the others wait on it in a
 collective posts its failure to the store (`post_failure`); every wait, on every rank, ends on it with that message.
 
-Replies (`exchange`): at the end of init and of each update every worker reports, over the group: the trainer gets
+Replies (`exchange`): at the end of init and of finish every worker reports, over the group: the trainer gets
 the first failing worker's message, naming its rank, else the first worker's reply (the merge-precision telemetry of
 `merge.MergePrecisionStats`).
 """
@@ -114,10 +114,10 @@ def _new_group(store, rank: int, world_size: int, transport: str, timeout: timed
     return process_group_nccl(store, rank, world_size, options)
 
 
-def _warm_up(group, transport: str):
+def _warm_up(group, device: torch.device):
     """The first collective, which creates the communicators (NCCL: ``ncclCommInitRank``, blocking the host until
     every rank has issued it); one element, as ``PyNcclCommunicator`` warms up."""
-    return group.allreduce([torch.zeros(1, device=wire_device(transport))])
+    return group.allreduce([torch.zeros(1, device=device)])
 
 
 class _Joining:
@@ -165,9 +165,13 @@ def connect(
     store = torch.distributed.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
     store = torch.distributed.PrefixStore(BACKEND, store)
 
+    device = wire_device(transport)  # the caller's: a new thread's current CUDA device is the first one
+
     def build(joining: _Joining) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         joining.group = _new_group(store, rank, world_size, transport, timeout)
-        joining.work = _warm_up(joining.group, transport)
+        joining.work = _warm_up(joining.group, device)
 
     # the environment is this call's, not the joining thread's: one left blocked in a communicator's init (which an
     # abort cannot reach) must not keep the process's own settings away
@@ -225,12 +229,27 @@ def _store_failure(store) -> str | None:
 
 
 def _other_side_failed(pending_call, store, probe: list[float]) -> str | None:
-    if pending_call is not None and pending_call.done() and pending_call.exception() is not None:
-        return f"the server's call failed: {pending_call.exception()}"
-    if store is not None and time.monotonic() >= probe[0]:
+    call_failed = pending_call is not None and pending_call.done() and pending_call.exception() is not None
+    if store is not None and (call_failed or time.monotonic() >= probe[0]):
         probe[0] = time.monotonic() + PROBE_S
-        return _store_failure(store)
+        failure = _store_failure(store)
+        if failure is not None:  # a worker's own words, rather than the server's bare 500
+            return failure
+    if call_failed:
+        return f"the server's call failed: {pending_call.exception()}"
     return None
+
+
+def call_result(call, what: str, store=None):
+    """The result of the server's call that made its side of a collective; when it failed, the failure a worker
+    posted (naming it), if any, in its place."""
+    try:
+        return call.result()
+    except Exception as error:
+        failure = _store_failure(store) if store is not None else None
+        if failure is None:
+            raise
+        raise WeightTransferError(f"{what}: {failure}") from error
 
 
 def wait(work, what: str, *, transport: str, group=None, pending_call=None, store=None) -> None:
