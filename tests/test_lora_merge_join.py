@@ -286,3 +286,22 @@ def test_the_servers_failed_call_gives_way_to_the_failure_a_worker_posted():
 class NcclAbort:
     def abort(self) -> None:
         pass
+
+
+class TimedOut:
+    """A collective past the group's timeout under CleanUpOnly: the watchdog aborted the communicators and set the
+    work's exception (``isCompleted`` true, ``wait`` raises it) instead of ending the process."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self):
+        raise torch.distributed.DistBackendError(
+            "Watchdog caught collective operation timeout: WorkNCCL(OpType=BROADCAST)"
+        )
+
+
+def test_a_collective_past_its_timeout_ends_as_a_weight_transfer_error_naming_it():
+    wire.wait(Enqueued(), "lora_merge update", transport="nccl", group=NcclAbort())  # control: completed, no error
+    with pytest.raises(WeightTransferError, match="lora_merge update: DistBackendError: Watchdog caught collective"):
+        wire.wait(TimedOut(), "lora_merge update", transport="nccl", group=NcclAbort())

@@ -180,8 +180,9 @@ def connect(
         try:
             wait(joining, what, transport=transport, group=joining, pending_call=pending_call, store=store)
         except BaseException as error:
-            if rank > 0 and error is joining.error:  # this worker's own failure, not a peer's
-                post_failure(store, rank, f"{what}: {type(error).__name__}: {error}")
+            own = joining.error is not None and joining.error in (error, error.__cause__)
+            if rank > 0 and own:  # this worker's own failure, not a peer's
+                post_failure(store, rank, f"{what}: {type(joining.error).__name__}: {joining.error}")
             close_group(joining.group, transport)
             raise
     return joining.group, store
@@ -272,7 +273,12 @@ def wait(work, what: str, *, transport: str, group=None, pending_call=None, stor
                 group.abort()
                 raise WeightTransferError(f"{what}: {failure}")
             time.sleep(0.001)
-        work.wait()
+        try:
+            work.wait()
+        except WeightTransferError:
+            raise
+        except Exception as error:  # past the group's timeout: its communicators aborted (`GROUP_ENV`), not the process
+            raise WeightTransferError(f"{what}: {type(error).__name__}: {error}") from error
         return
     if pending_call is None and store is None:
         work.wait()
