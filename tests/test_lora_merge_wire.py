@@ -70,14 +70,14 @@ def test_a_worker_waiting_for_a_dead_trainer_over_nccl_aborts_without_ordering_i
 
     store, kill_trainer = trainer_store
     group, finished = NcclGroup(), NcclWork(complete_after_s=0.2)
-    wait(finished, "update", transport="nccl", group=group, trainer_store=store)  # a live trainer: it completes
+    wait(finished, "update", transport="nccl", group=group, store=store)  # a live trainer: it completes
     assert finished.stream_ordered and not group.aborted
 
     kill_trainer()
     hung = NcclWork()  # the broadcast of the dead trainer's factors never completes
     start = time.monotonic()
     with pytest.raises(WeightTransferError, match="the trainer is gone"):
-        wait(hung, "lora_merge update", transport="nccl", group=group, trainer_store=store)
+        wait(hung, "lora_merge update", transport="nccl", group=group, store=store)
     assert time.monotonic() - start < 10  # not the group's timeout (600 s)
     assert group.aborted  # the NCCL kernel is cancelled, the communicator released
     assert not hung.stream_ordered  # generation on the worker's stream is not held behind it

@@ -32,12 +32,14 @@ from merge import MergePrecisionStats
 from merge.lora_merge.update import full_update, lora_update
 from merge.lora_merge.wire import (
     BACKEND,
+    TRANSPORTS,
     WeightTransferError,
     broadcast,
+    call_result,
     close_group,
+    connect,
     free_port,
     local_address_towards,
-    open_group,
     recv_reply,
     wait,
     wire_device,
@@ -107,6 +109,8 @@ class LoraMergeTrainerInitInfo(TrainerInitInfo):
     precision_stats: bool = True  # the workers measure the merge's precision (sync_delta_*; worth it below fp32)
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"{BACKEND}: transport={self.transport!r} is not one of 'gloo' (CPU), 'nccl' (GPU)")
         if self.update not in ("lora", "full"):
             raise ValueError(f"{BACKEND}: update={self.update!r} is not one of 'lora', 'full'")
         if self.wire_dtype is not None and not isinstance(getattr(torch, self.wire_dtype, None), torch.dtype):
@@ -122,7 +126,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
     def __init__(self, *, client, init_info: LoraMergeTrainerInitInfo) -> None:
         super().__init__(client=client, source=None, is_sender=init_info.is_sender)
         self.init_info = init_info
-        self.group = None
+        self.group = self.store = None
         self.targets: dict[str, list[int]] | None = None
         self.last_sync: dict[str, float] = {}  # bytes and seconds of the last send_weights (rank 0)
 
@@ -158,16 +162,19 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
                 precision_stats=info.precision_stats,
             )
         )
+        world_size = 1 + info.num_workers
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             call = pool.submit(self.client.init_weight_transfer_engine, worker_info)
-            self.group, _ = open_group(
-                info.master_address, port, 0, 1 + info.num_workers, info.transport, info.timeout_s
+            what = f"{BACKEND} init"
+            self.group, self.store = connect(
+                info.master_address, port, 0, world_size, info.transport, info.timeout_s, what, pending_call=call
             )
-            reply = recv_reply(self.group, info.transport, call, f"{BACKEND} init")
-            if not reply["ok"]:
-                raise WeightTransferError(reply["error"])
-            call.result()
+            recv_reply(self.group, info.transport, world_size, what, pending_call=call, store=self.store)
+            call_result(call, what, self.store)
+        except BaseException:
+            self.shutdown()  # the next sync connects anew
+            raise
         finally:
             pool.shutdown(wait=False)  # never wait on a call stuck behind a failed transfer
         self.targets = targets
@@ -208,13 +215,13 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             call = pool.submit(self.client.update_weights, asdict(info))
             for buffer in buffers.values():
                 work = broadcast(self.group, buffer.to(device))
-                wait(work, f"{BACKEND} update", transport=transport, group=self.group, pending_call=call)
-            call.result()
+                watch = {"pending_call": call, "store": self.store}
+                wait(work, f"{BACKEND} update", transport=transport, group=self.group, **watch)
+            call_result(call, f"{BACKEND} update", self.store)
             call = pool.submit(self.client.finish_weight_update, weight_version)
-            reply = recv_reply(self.group, transport, call, f"{BACKEND} finish")
-            if not reply["ok"]:
-                raise WeightTransferError(reply["error"])
-            call.result()
+            world_size, what = 1 + self.init_info.num_workers, f"{BACKEND} finish"
+            reply = recv_reply(self.group, transport, world_size, what, pending_call=call, store=self.store)
+            call_result(call, what, self.store)
         finally:
             pool.shutdown(wait=False)
         self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}
@@ -227,4 +234,4 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
 
     def shutdown(self) -> None:
         close_group(self.group, self.init_info.transport)
-        self.group = None
+        self.group = self.store = None

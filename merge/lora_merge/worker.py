@@ -19,7 +19,6 @@ A worker waiting for a dead trainer's factors fails at once (`merge.lora_merge.w
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -36,7 +35,16 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from merge import MergePrecisionStats
-from merge.lora_merge.wire import BACKEND, REPLY_TAG, WeightTransferError, broadcast, close_group, open_group, wait
+from merge.lora_merge.wire import (
+    BACKEND,
+    WeightTransferError,
+    broadcast,
+    close_group,
+    connect,
+    exchange,
+    post_failure,
+    wait,
+)
 
 logger = init_logger(__name__)
 
@@ -144,30 +152,31 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
-        self.trainer_store = None  # the store the trainer's rank 0 hosts: its liveness (NCCL, `wire.wait`)
+        self.trainer_store = None  # the store the trainer's rank 0 hosts: its liveness, failures posted (`wire.wait`)
         self.transport = "gloo"
-        self.is_first_worker = False
+        self.rank, self.world_size = 1, 2  # in the group: the trainer is rank 0
         self.base: dict[str, torch.Tensor] = {}
         self.precision_stats = True
         self.pending: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # a complete update, not yet applied
         self.applied: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # the update served (None: the base)
 
     def init_transfer_engine(self, init_info: LoraMergeInitInfo) -> None:
-        """A trainer connects: join its group, read the pristine base of its targets, reply (ok or the refusal).
-        Whatever a previous trainer left unfinished is discarded."""
+        """A trainer connects: join its group (its communicators created now, `wire.connect`), read the pristine base
+        of its targets, reply (ok or the refusal). Whatever a previous trainer left unfinished is discarded."""
         self.shutdown()
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         self.transport = init_info.transport
         self.precision_stats = init_info.precision_stats
-        self.is_first_worker = rank == 1
-        self.group, self.trainer_store = open_group(
+        self.rank, self.world_size = rank, init_info.world_size
+        self.group, self.trainer_store = connect(
             init_info.master_address,
             init_info.master_port,
             rank,
             init_info.world_size,
             init_info.transport,
             init_info.timeout_s,
+            f"{BACKEND} init",
         )
         try:
             device = self.device if init_info.base_on_device else torch.device("cpu")
@@ -191,16 +200,13 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         return self.device if self.transport == "nccl" else torch.device("cpu")
 
     def _wait(self, work, what: str) -> None:
-        wait(work, f"{BACKEND} {what}", transport=self.transport, group=self.group, trainer_store=self.trainer_store)
+        wait(work, f"{BACKEND} {what}", transport=self.transport, group=self.group, store=self.trainer_store)
 
     def _reply(self, reply: dict) -> None:
-        """First worker -> trainer: a JSON reply (length, then bytes)."""
-        if not self.is_first_worker:
-            return
-        data = torch.tensor(list(json.dumps(reply).encode()), dtype=torch.uint8, device=self.wire_device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.wire_device)
-        self._wait(self.group.send([size], 0, REPLY_TAG), "reply")
-        self._wait(self.group.send([data], 0, REPLY_TAG), "reply")
+        """Every worker -> trainer: this worker's outcome, in one exchange over the group (`wire.exchange`): the
+        trainer gets the first failing worker's, naming its rank, else the first worker's."""
+        what = f"{BACKEND} reply"
+        exchange(self.group, self.transport, self.rank, self.world_size, reply, what, store=self.trainer_store)
 
     def start_weight_update(self) -> None:
         self.pending = None  # the model itself is untouched until finish_weight_update
@@ -212,11 +218,16 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         if self.group is None:
             raise WeightTransferError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
         self.pending = None
-        buffers = {}
-        for dtype, numel in update_info.buffers.items():
-            buffer = torch.empty(numel, dtype=getattr(torch, dtype), device=self.wire_device)
+        try:
+            buffers = {
+                dtype: torch.empty(numel, dtype=getattr(torch, dtype), device=self.wire_device)
+                for dtype, numel in update_info.buffers.items()
+            }
+        except Exception as error:  # the trainer and the other workers would wait on this one in the broadcast
+            post_failure(self.trainer_store, self.rank, f"{BACKEND} update: {type(error).__name__}: {error}")
+            raise
+        for buffer in buffers.values():
             self._wait(broadcast(self.group, buffer), "update")
-            buffers[dtype] = buffer
         self.pending = (update_info.entries, buffers)  # every buffer arrived: the update is complete
 
     def finish_weight_update(self) -> None:
