@@ -305,3 +305,26 @@ def test_a_collective_past_its_timeout_ends_as_a_weight_transfer_error_naming_it
     wire.wait(Enqueued(), "lora_merge update", transport="nccl", group=NcclAbort())  # control: completed, no error
     with pytest.raises(WeightTransferError, match="lora_merge update: DistBackendError: Watchdog caught collective"):
         wire.wait(TimedOut(), "lora_merge update", transport="nccl", group=NcclAbort())
+
+
+def test_a_worker_on_the_trainers_gpu_refuses_before_any_communicator_naming_it(nccl, monkeypatch):
+    """NCCL refuses two ranks of one communicator on one GPU at its init; the worker refuses first, naming the GPU,
+    and the trainer stops with its line. Control: each rank on a GPU of its own joins."""
+    for ids, shared in (("own", False), ("shared", True)):
+        monkeypatch.setattr(StandInProcessGroupNCCL, "groups", [])
+        gpu = (lambda device: "GPU-0") if shared else (lambda device: f"GPU-{threading.current_thread().name}")
+        monkeypatch.setattr(wire, "device_id", gpu)
+        port = free_port()
+        workers = in_threads(lambda rank: connect("127.0.0.1", port, rank, 2, "nccl", 10, "init"), [1])
+        if not shared:
+            connect("127.0.0.1", port, 0, 2, "nccl", 10, "init", pending_call=Future())
+            workers["join"](5)
+            assert len(nccl.groups) == 2, ids  # the control: both joined
+            continue
+        start = time.monotonic()
+        with pytest.raises(WeightTransferError, match=r"worker of rank 1 failed: init: it runs on the trainer's GPU"):
+            connect("127.0.0.1", port, 0, 2, "nccl", 10, "init", pending_call=Future())
+        assert time.monotonic() - start < 5
+        assert all(g.rank == 0 and not g.ops for g in nccl.groups)  # the worker made none; no communicator exists
+        workers["join"](5)
+        assert isinstance(workers[1], WeightTransferError) and "GPU-0" in str(workers[1])

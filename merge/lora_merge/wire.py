@@ -166,6 +166,8 @@ def connect(
     store = torch.distributed.PrefixStore(BACKEND, store)
 
     device = wire_device(transport)  # the caller's: a new thread's current CUDA device is the first one
+    if transport == "nccl":
+        _refuse_a_shared_device(store, rank, device_id(device), what)
 
     def build(joining: _Joining) -> None:
         if device.type == "cuda":
@@ -186,6 +188,27 @@ def connect(
             close_group(joining.group, transport)
             raise
     return joining.group, store
+
+
+def device_id(device: torch.device) -> str | None:
+    """The GPU's UUID (None off CUDA): what tells whether two processes use the same GPU."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+
+
+def _refuse_a_shared_device(store, rank: int, mine: str | None, what: str) -> None:
+    """NCCL refuses two ranks of one communicator on one GPU, at the communicator's init (a trainer and a server
+    started on the same GPU): the trainer says which GPU it uses, and a worker on the same one refuses, naming it,
+    before any communicator is made."""
+    if rank == 0:
+        store.set("trainer_device", mine or "")
+        return
+    if mine is not None and store.get("trainer_device").decode() == mine:
+        message = (
+            f"{what}: it runs on the trainer's GPU ({mine}), and NCCL cannot join two ranks on one GPU: give the "
+            "server GPUs of its own (CUDA_VISIBLE_DEVICES), or train with vllm.mode=colocate"
+        )
+        post_failure(store, rank, message)
+        raise WeightTransferError(worker_failure(rank, message))
 
 
 def close_group(group, transport: str) -> None:
