@@ -11,14 +11,15 @@ derived from the vLLM layer each checkpoint tensor loads into, read against vLLM
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: rows ``[org_vocab_start_index, org_vocab_end_index)``;
 - ``FusedMoE``: an expert mapped to no local slot is not kept at all; a local one's gate/up rows and down columns
   ``tp_rank * n / tp_size`` of the layer's MoE tensor parallelism (1 under expert parallelism);
+- a layer of another pipeline-parallel stage (``is_pp_missing_parameter``): nothing;
 - anything else (a replicated layer, one that is not found, a bias): the whole tensor, which is always correct.
 
 At merge time the worker computes only its slice of ``W_base + scale * B @ A`` (rows of B for a row slice, columns
 of A for a column slice), in fp32 chunks of at most `CHUNK_ELEMENTS`, and hands vLLM's reload a full-shaped tensor
-in the engine's dtype of which only that slice is filled (the loader reads nothing else); an expert held elsewhere
-gets a zero-strided view, which costs nothing. The reload buffers a layer's tensors until the layer is complete, so
-the merge's peak is one vLLM layer's full-shaped tensors plus the layer vLLM rebuilds plus the fp32 chunks
-(`merge_peak_bytes`), never the whole model.
+in the engine's dtype of which only that slice is filled (the loader reads nothing else); an expert held elsewhere,
+or a layer of another pipeline stage, gets a zero-strided view, which costs nothing. The reload buffers a layer's
+tensors until the layer is complete, so the merge's peak is one vLLM layer's full-shaped tensors plus the layer vLLM
+rebuilds plus the fp32 chunks (`merge_peak_bytes`), never the whole model.
 """
 
 from __future__ import annotations
@@ -122,8 +123,11 @@ def worker_shard(model, name: str, shape) -> Shard:
         RowParallelLinear,
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.models.utils import is_pp_missing_parameter
 
     shape = tuple(shape)
+    if is_pp_missing_parameter(name, model):  # a layer of another pipeline stage: its loader skips the tensor
+        return Shard(shape, local=False)
     expert = re.match(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$", name)
     if expert is not None:
         return _expert_shard(model, expert.group(1), int(expert.group(2)), expert.group(3), shape)
@@ -225,8 +229,9 @@ def _size(nbytes: float) -> str:
 
 def free_bytes(device: torch.device) -> int:
     """What is free on ``device`` now (after vLLM's KV cache): CUDA's free memory, or the host's available."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cuda":  # plus what this process's caching allocator holds unused: ours to allocate
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0] + idle)
     import psutil
 
     return int(psutil.virtual_memory().available)
