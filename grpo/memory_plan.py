@@ -226,9 +226,9 @@ def format_plan(plan: dict, device_bytes: float | None = None) -> str:
     lines += [f"{'phase ' + name:>17}: {value / GIB:7.2f} GiB" for name, value in plan["phases"].items()]
     if device_bytes:
         lines.append(f"{'device':>17}: {device_bytes / GIB:7.2f} GiB")
-    lines += [
-        f"{'server ' + name:>17}: {value / GIB:7.2f} GiB per worker" for name, value in (plan["server"] or {}).items()
-    ]
+    if plan["server"]:
+        lines.append("the server, per worker:")
+        lines += [f"{name:>24}: {value / GIB:7.2f} GiB" for name, value in plan["server"].items()]
     return "\n".join(lines)
 
 
