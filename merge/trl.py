@@ -212,7 +212,9 @@ def _watching_health(url: str, what: str, call: Callable, server_timeout: float)
         elif unhealthy_since is None:
             unhealthy_since = time.monotonic()
         elif time.monotonic() - unhealthy_since >= server_timeout:
-            raise _gone(url, f"stopped answering while {what} ({problem} for {time.monotonic() - unhealthy_since:.0f} s)")
+            raise _gone(
+                url, f"stopped answering while {what} ({problem} for {time.monotonic() - unhealthy_since:.0f} s)"
+            )
 
 
 def server_backend(client) -> str | None:
@@ -255,7 +257,8 @@ def lora_merge_server_client():
         try:
             client = trl_client(*args, **kwargs)
         except ConnectionError as error:  # TRL's own, after its connection timeout
-            raise TRLServerError(" ".join(str(error).split()) + f" (start it with {LORA_MERGE_FLAG}: docs/trl.md)")
+            hint = f" (start it with {LORA_MERGE_FLAG}: docs/trl.md)"
+            raise TRLServerError(" ".join(str(error).split()) + hint) from None
         open_trl_communicator = client.init_communicator
 
         def init_communicator(device=0):

@@ -119,7 +119,8 @@ class TokenLogprobCheck:
             return output
         delta = (old - sampled).abs()[output["completion_mask"].bool()].double()
         totals = reduce_across_ranks(
-            sums=dict(total=delta.sum().item(), tokens=delta.numel()), maxs=dict(largest=delta.max().item() if delta.numel() else 0.0)
+            sums=dict(total=delta.sum().item(), tokens=delta.numel()),
+            maxs=dict(largest=delta.max().item() if delta.numel() else 0.0),
         )
         self.checks.append((totals["total"] / max(totals["tokens"], 1), totals["largest"]))
         return output
@@ -336,9 +337,7 @@ def setup(argv: list[str] | None = None):
     trainer = build_trainer(script_args, training_args, model_args)
     refuse_unjoined_processes(trainer)
     installed = use_merged_lora_sync(trainer) if script_args.sync == "merged_lora_params" else None
-    trainer._generate_and_score_completions = logprob_check = TokenLogprobCheck(
-        trainer._generate_and_score_completions
-    )
+    trainer._generate_and_score_completions = logprob_check = TokenLogprobCheck(trainer._generate_and_score_completions)
     generation = trainer.vllm_generation
     generation.sync_weights = sync_timer = CallTimer(generation.sync_weights)
     generation.generate = rollout_timer = CallTimer(generation.generate)
@@ -375,7 +374,10 @@ def check_server_settings(training_args, model_args) -> None:
     model's dtype, no prefix cache, room for prompt + completion), else one line naming each flag to change."""
     from grpo.engines.server import ServerEngine
 
-    url = training_args.vllm_server_base_url or f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
+    url = (
+        training_args.vllm_server_base_url
+        or f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
+    )
     ServerEngine.check_settings(
         url,
         model_args.model_name_or_path,
