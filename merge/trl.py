@@ -361,8 +361,14 @@ class MergedLoraSync:
             )
         try:
             _on_server(url, "taking a weight sync", self.transfer.send_weights, gen.model, str(self.syncs))
+        except TRLServerError:
+            raise
         except WeightTransferError as error:  # e.g. a server holding another model: the tensor is named
             raise TRLServerError(f"weight sync to {url} refused: {' '.join(str(error).split())}") from None
+        except RuntimeError as error:  # the group broke mid-send (gloo: "Connection closed by peer")
+            text = " ".join(str(error).split())[:200]
+            what = f"closed the weight transfer during a sync (gone, or another trainer took it: {text})"
+            raise _gone(url, what) from None
         self.last_sync_bytes = int(self.transfer.last_sync["sync_bytes"])
 
 

@@ -135,6 +135,38 @@ def test_a_server_gone_during_generation_stops_in_one_line_naming_the_url():
     assert fake.url in message and "resume_from_checkpoint" in message and "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [
+        requests.ConnectionError("Connection refused"),  # what the sync's HTTP calls meet on a server gone
+        RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8940"),  # mid-send
+    ],
+)
+def test_a_server_gone_during_a_sync_stops_in_one_line_naming_the_url(failure, monkeypatch):
+    from trl.generation.vllm_client import VLLMClient
+
+    from merge.lora_merge import LoraMergeTrainer
+
+    def send_weights(trainer, model, weight_version=None):
+        raise failure
+
+    monkeypatch.setattr(LoraMergeTrainer, "send_weights", send_weights)
+    fake = FakeServer(backend=True)
+    try:
+        accelerator = SimpleNamespace(is_main_process=True, process_index=0)
+        generation = SimpleNamespace(
+            mode="server", model=torch.nn.Linear(1, 1), accelerator=accelerator, vllm_client=VLLMClient(fake.url)
+        )
+        sync = MergedLoraSync(generation, backend="lora_merge")
+        with pytest.raises(TRLServerError, match="while taking a weight sync|during a sync") as caught:
+            sync()
+        message = str(caught.value)
+        assert fake.url in message and "resume_from_checkpoint" in message and "\n" not in message
+        assert sync.last_sync_bytes is None
+    finally:
+        fake.stop()
+
+
 def test_the_committed_server_run_meets_its_bounds():
     """results/trl-tiny-cpu-server (docs/trl.md): every step within the fp32 bound, every sync the factors."""
     run = Path(__file__).resolve().parents[1] / "results" / "trl-tiny-cpu-server" / "metrics.jsonl"
