@@ -1,7 +1,7 @@
 """merge.trl in TRL's server mode against a real ``vllm serve`` with the lora_merge backend (test_server_mode's
 server fixture): recipes/grpo_trl.py trains a few steps in this process, each sync sending the factors only, and
-the served log-probs are the peft model's; a server without a backend, one holding another model and one that
-goes away mid-run each stop with one line."""
+the served log-probs are the peft model's; a server without a backend, one holding another model, one with other
+settings and one that goes away mid-run (while generating, hanging, or during a sync) each stop with one line."""
 
 import json
 import os
@@ -165,6 +165,44 @@ def test_a_server_gone_during_a_sync_stops_in_one_line_naming_the_url(failure, m
         assert sync.last_sync_bytes is None
     finally:
         fake.stop()
+
+
+def test_a_generation_left_hanging_by_an_unhealthy_server_ends_in_one_line(monkeypatch):
+    """TRL's client sets no timeout: a front end shutting down keeps the request open. The health watch ends the
+    wait once /health has failed for the timeout; the control: a slower generation on a healthy server is waited for."""
+    import threading
+
+    from merge import trl as merge_trl
+
+    monkeypatch.setattr(merge_trl, "HEALTH_PROBE_S", 0.5)
+    fake = FakeServer(backend=True)
+    try:
+        slow = lambda: threading.Event().wait(3.0) or "done"  # noqa: E731
+        assert merge_trl._watching_health(fake.url, "generating", slow, server_timeout=1.0) == "done"
+        fake.health = 503
+        hanging = threading.Event().wait
+        with pytest.raises(TRLServerError, match=r"stopped answering while generating \(/health answers 503") as caught:
+            merge_trl._watching_health(fake.url, "generating", hanging, server_timeout=1.0)
+        assert fake.url in str(caught.value) and "\n" not in str(caught.value)
+    finally:
+        fake.stop()
+
+
+def test_the_recipe_refuses_a_server_with_other_settings_in_one_line(capsys):
+    import grpo_trl
+
+    fake = FakeServer(backend=True)
+    fake.server_info["model_config"]["logprobs_mode"] = "raw_logprobs"
+    try:
+        # refused before any model loads: the model path is never read
+        argv = recipe_argv(Path("unused"), "cache/tiny-qwen3-gsm8k", "refused", "--vllm_mode", "server")
+        with pytest.raises(SystemExit) as exit_info:
+            grpo_trl.main(argv + ["--vllm_server_base_url", fake.url])
+    finally:
+        fake.stop()
+    assert exit_info.value.code == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and fake.url in line and "--logprobs-mode processed_logprobs" in line
 
 
 def test_the_committed_server_run_meets_its_bounds():
