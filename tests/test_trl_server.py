@@ -205,6 +205,17 @@ def test_the_recipe_refuses_a_server_with_other_settings_in_one_line(capsys):
     assert line.startswith("error: ") and fake.url in line and "--logprobs-mode processed_logprobs" in line
 
 
+def test_an_adapter_training_more_than_lora_factors_is_refused_for_a_lora_merge_server():
+    from qwen3_lora import tiny_lora
+
+    from merge import UnsupportedAdapterError
+    from merge.trl import refuse_non_lora_training
+
+    refuse_non_lora_training(tiny_lora())  # the control: LoRA factors only
+    with pytest.raises(UnsupportedAdapterError, match=r"also trains 1 other tensor\(s\) \(.*embed_tokens"):
+        refuse_non_lora_training(tiny_lora(modules_to_save=["embed_tokens"]))
+
+
 def test_the_committed_server_run_meets_its_bounds():
     """results/trl-tiny-cpu-server (docs/trl.md): every step within the fp32 bound, every sync the factors."""
     run = Path(__file__).resolve().parents[1] / "results" / "trl-tiny-cpu-server" / "metrics.jsonl"
