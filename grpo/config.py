@@ -179,6 +179,12 @@ class VLLMSettings:
         "server, merge=true: the server keeps its pristine copy of the targeted base weights on its "
         "own devices (no host-to-device copy per sync, as much more device memory) rather than in host memory",
     )
+    server_tensor_parallel_size: int = setting(
+        1,
+        "server: the server's --tensor-parallel-size; each of its workers keeps and merges 1/this of the targeted "
+        "base weights (the memory plan's per-worker figures)",
+        range=">= 1",
+    )
     server_timeout: float = setting(
         60.0,
         "server: seconds of failed health checks (/health) while the trainer waits on the server, then the run stops",

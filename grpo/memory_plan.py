@@ -30,8 +30,11 @@ device. The terms (per device, bytes):
                     (sleep_mode_offload_cudagraph defaults to False): the 1 GiB margin stays in the update phase
 
 vllm.mode=server: the engine runs on the server's devices, so none of the vLLM terms count on a training device;
-the plan gives the server's own (``server``: its weights, the pristine copy of the targeted base weights that the
-lora_merge backend keeps, in host memory unless vllm.server_base_on_device, KV cache and runtime).
+the plan gives the server's own per worker (``server``, with vllm.server_tensor_parallel_size workers: its weights,
+KV cache and runtime; the lora_merge backend's shard of the pristine targeted base weights, in pinned host memory
+unless vllm.server_base_on_device; the merge's peak on the device, the largest reloaded layer full-shaped plus its
+shard plus the fp32 chunks, `merge.lora_merge.shards`). `check_server_fits` checks the worker's device side; the
+server itself refuses at connect when its shard and merge peak do not fit beside its KV cache.
 
 Phases: sync (shard + LoRA/AdamW + vLLM weights + sync copies), rollout (shard + LoRA/AdamW + vLLM weights + KV
 cache + vLLM runtime), update (shard + LoRA/AdamW + unsharded layers + unsharded root + activations, plus vLLM's
@@ -75,12 +78,29 @@ def _parameter_counts(model_config, target_modules: list[str], rank: int) -> dic
         for block in layer.children()
         if any(name.rsplit(".", 1)[-1] in target_modules for name, _ in block.named_modules())
     )
+    # vLLM's reload buffers one of its layers (q/k/v fused, gate/up fused) full-shaped while the server merges
+    fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    reloaded = 0
+    for layer in layers:
+        sizes: dict[str, int] = {}
+        hit: set[str] = set()
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                leaf = name.rsplit(".", 1)[-1]
+                key = name.rsplit(".", 1)[0] + "." + fused.get(leaf, leaf)
+                sizes[key] = sizes.get(key, 0) + module.weight.numel()
+                if leaf in target_modules:
+                    hit.add(key)
+        reloaded = max([reloaded] + [sizes[key] for key in hit])
+    if "embed_tokens" in target_modules:
+        reloaded = max(reloaded, model.get_input_embeddings().weight.numel())
     return dict(
         total=total,
         layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
         lora=lora,
         root=root,
         targeted=targeted,
+        reloaded=reloaded,
     )
 
 
@@ -122,6 +142,14 @@ def _sync_copies_bytes(params: int, sharded: bool, gather_bytes: int, weight_byt
     return params * ((gather_bytes + weight_bytes if sharded else 0) + weight_bytes)
 
 
+def _merge_peak_bytes(reloaded: int, tp: int, weight_bytes: int) -> float:
+    """A server worker's merge peak (`merge.lora_merge.shards.merge_peak_bytes`): the largest reloaded layer
+    full-shaped, the shard of it vLLM rebuilds, and four fp32 chunks."""
+    from merge.lora_merge.shards import CHUNK_ELEMENTS
+
+    return reloaded * weight_bytes * (1 + 1 / tp) + 16 * min(CHUNK_ELEMENTS, reloaded / tp)
+
+
 def memory_plan(
     model_config,
     cfg: RecipeConfig,
@@ -158,9 +186,12 @@ def memory_plan(
     }
     server = None
     if cfg.vllm.mode == "server":
+        tp = cfg.vllm.server_tensor_parallel_size
         server = {name: terms[name] for name in ("vLLM weights", "KV cache", "vLLM runtime")}
+        server["vLLM weights"] /= tp
         where = "device" if cfg.vllm.server_base_on_device else "host"
-        server[f"pristine base ({where})"] = counts["targeted"] * weight_bytes
+        server[f"pristine base ({where})"] = counts["targeted"] * weight_bytes / tp
+        server["merge peak (device)"] = _merge_peak_bytes(counts["reloaded"], tp, weight_bytes)
         # a server sync gathers LoRA factors only (no base weights unsharded, no engine here to rebuild a layer)
         terms.update(
             {name: 0.0 for name in ("vLLM weights", "KV cache", "vLLM runtime", "vLLM CUDA graphs", "sync copies")}
@@ -195,6 +226,9 @@ def format_plan(plan: dict, device_bytes: float | None = None) -> str:
     lines += [f"{'phase ' + name:>17}: {value / GIB:7.2f} GiB" for name, value in plan["phases"].items()]
     if device_bytes:
         lines.append(f"{'device':>17}: {device_bytes / GIB:7.2f} GiB")
+    if plan["server"]:
+        lines.append("the server, per worker:")
+        lines += [f"{name:>24}: {value / GIB:7.2f} GiB" for name, value in plan["server"].items()]
     return "\n".join(lines)
 
 
@@ -216,6 +250,29 @@ def check_fits(plan: dict, device_bytes: float, cfg: RecipeConfig) -> str | None
         f"the configured run needs about {need / GIB:.1f} GiB per device in its {phase} phase, more than 90% of "
         f"the device's {device_bytes / GIB:.1f} GiB; lower {', '.join(hints)}, or use more processes\n"
         + format_plan(plan, device_bytes)
+    )
+
+
+def server_device_bytes(plan: dict) -> float:
+    """What one server worker holds on its device (server mode): everything but a base kept in host memory."""
+    return sum(value for name, value in (plan["server"] or {}).items() if name != "pristine base (host)")
+
+
+def check_server_fits(plan: dict, device_bytes: float, cfg: RecipeConfig) -> str | None:
+    """Server mode, a worker on a device of ``device_bytes``: None if its share fits in 90% of it; else what to
+    change. (The server checks the same at connect, against what its KV cache really left free.)"""
+    need = server_device_bytes(plan)
+    if not plan["server"] or need <= 0.9 * device_bytes:
+        return None
+    hints = [f"vllm.kv_cache_gb={cfg.vllm.kv_cache_gb:g}"]
+    if cfg.vllm.server_base_on_device:
+        hints.insert(0, "vllm.server_base_on_device=false")
+    return (
+        f"each of the server's {cfg.vllm.server_tensor_parallel_size} worker(s) needs about {need / GIB:.1f} GiB "
+        f"of its device, more than 90% of {device_bytes / GIB:.1f} GiB: "
+        + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in plan["server"].items())
+        + f"; set {' or '.join(hints)}, or serve with a larger --tensor-parallel-size "
+        "(vllm.server_tensor_parallel_size)"
     )
 
 
@@ -250,9 +307,11 @@ def main() -> None:
             print(format_plan(plan, args.device_gib * GIB))
             if plan["server"]:
                 print(
-                    "  the server's own memory (vllm.mode=server): "
+                    f"  the server's own memory per worker (vllm.mode=server, "
+                    f"{cfg.vllm.server_tensor_parallel_size} worker(s)): "
                     + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in plan["server"].items())
                 )
+                print("  " + (check_server_fits(plan, args.device_gib * GIB, cfg) or "the server's workers fit"))
             problem = check_fits(plan, args.device_gib * GIB, cfg)
             print("fits" if problem is None else "does NOT fit")
 

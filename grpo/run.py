@@ -33,7 +33,7 @@ from grpo.engines.interface import Engine
 from grpo.faults import LogprobGuard
 from grpo.loss import LossSettings
 from grpo.loss_scaling import DynamicLossScale
-from grpo.memory_plan import check_fits, device_memory_bytes, format_plan, memory_plan
+from grpo.memory_plan import check_fits, check_server_fits, device_memory_bytes, format_plan, memory_plan
 from grpo.parallel import (
     FSDPSettings,
     apply_activation_checkpointing,
@@ -289,6 +289,9 @@ def check_memory(cfg: RecipeConfig, model_config, world: int, device: torch.devi
     problem = check_fits(plan, available, cfg)
     if problem:
         raise ConfigError(problem)
+    server_problem = check_server_fits(plan, available, cfg)
+    if server_problem:  # the server's devices may not be these: its own check at connect decides
+        log.warning("on a server with devices like this one, %s", server_problem)
 
 
 def build_policy(cfg: RecipeConfig, device: torch.device, rank: int, world: int, fsdp: FSDPSettings):

@@ -31,6 +31,16 @@ which repacks linears for oneDNN and empties the originals. Ours, :class:`Merged
   as TRL does;
 - the same epilogue: ``reset_prefix_cache()`` on the engine, or on the server from the main process.
 
+Server mode against a ``lora_merge`` server (``--weight-transfer-config '{"backend": "lora_merge"}'``): only the
+LoRA factors travel. TRL opens its NCCL communicator while the trainer is built (``VLLMGeneration._init_vllm`` calls
+``vllm_client.init_communicator``), which conflicts with that backend (and fails on CPU), so build the trainer inside
+:func:`lora_merge_server_client`: TRL's ``VLLMClient`` is built as is, and its ``init_communicator`` (on that
+instance) asks the server for its weight-transfer backend first, opening TRL's communicator only for vLLM's stock
+``nccl``. The sync then follows the backend: ``lora_merge``, every process gathers the factors
+(``merge.lora_merge.LoraMergeTrainer.send_weights``, a collective under FSDP2) and the main process sends them, the
+server merging them into its pristine base; ``nccl``, the merged stream above. Generation stays TRL's own
+(``/v1/completions`` on the same server); its failures, and the sync's, become one :class:`TRLServerError` line.
+
 Why that is safe: ``sync_weights`` takes no arguments and returns nothing, and the callers only rely on the
 engine holding the trainer's current weights afterwards, which is what it does. It is pinned to the TRL versions
 it was checked against (:data:`SUPPORTED_TRL`); any other version is refused with a message, not patched.
@@ -43,7 +53,11 @@ and ``enforce_eager`` avoids a long compile), build the trainer inside :func:`vl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -58,6 +72,8 @@ from merge.vllm_compat import reload_vllm_weights
 __all__ = [
     "SUPPORTED_TRL",
     "UnsupportedTRLVersionError",
+    "TRLServerError",
+    "lora_merge_server_client",
     "check_trl_version",
     "use_merged_lora_sync",
     "install_merged_lora_sync",
@@ -72,8 +88,17 @@ SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
 """TRL versions whose ``VLLMGeneration.sync_weights`` seam (callers, preamble, epilogue, client API) was read."""
 
 
+LORA_MERGE_FLAG = """--weight-transfer-config '{"backend": "lora_merge"}'"""
+RESUME_HINT = "restart the server, then resume the run from its last checkpoint (resume_from_checkpoint)"
+HEALTH_PROBE_S = 5.0  # while a generation is waited for: the wait for one /health answer, and between probes
+
+
 class UnsupportedTRLVersionError(RuntimeError):
     """The installed TRL is not one this integration was checked against."""
+
+
+class TRLServerError(RuntimeError):
+    """TRL's vLLM server cannot take this sync, or stopped answering mid-run (one line: the URL, what, what to do)."""
 
 
 def check_trl_version(version: str | None = None) -> None:
@@ -134,6 +159,125 @@ def push_merged_lora_to_llm(model: torch.nn.Module, llm, dtype: torch.dtype | No
     reload_vllm_weights(llm, merged_lora_weights(model, dtype))
 
 
+def _gone(url: str, what_happened: str) -> TRLServerError:
+    """The one line a run stops with when the server goes away mid-run: the URL, what happened, how to resume."""
+    return TRLServerError(f"the vLLM server at {url} {what_happened}; {RESUME_HINT}")
+
+
+def _on_server(url: str, what: str, call: Callable, *args, **kwargs):
+    """``call`` (an HTTP call of TRL's client or of the lora_merge trainer), its failures as one `TRLServerError`
+    line: TRL's client raises a bare ``Exception("Request failed: <status>, <text>")`` for an error answer."""
+    import requests
+
+    try:
+        return call(*args, **kwargs)
+    except TRLServerError:
+        raise
+    except requests.RequestException as error:  # TRL's own retries are spent by now
+        raise _gone(url, f"stopped answering while {what} ({type(error).__name__})") from None
+    except Exception as error:
+        if not str(error).startswith("Request failed"):
+            raise
+        raise _gone(url, f"failed while {what} ({' '.join(str(error)[:300].split())})") from None
+
+
+def _watching_health(url: str, what: str, call: Callable, server_timeout: float):
+    """``call()`` on a daemon thread, its result once done; meanwhile the server's /health is probed, and failing for
+    ``server_timeout`` seconds ends the wait with one line (a front end shutting down keeps open requests waiting,
+    and TRL's client sets no timeout). Daemon: a request left hanging never keeps the process from exiting."""
+    import requests
+
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(_on_server(url, what, call))
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    unhealthy_since = None
+    while True:
+        try:
+            return future.result(timeout=HEALTH_PROBE_S)
+        except FutureTimeout:
+            pass
+        try:
+            status = requests.get(f"{url}/health", timeout=HEALTH_PROBE_S).status_code
+            problem = None if status == 200 else f"/health answers {status}"
+        except requests.RequestException as error:
+            problem = f"/health: {type(error).__name__}"
+        if problem is None:
+            unhealthy_since = None
+        elif unhealthy_since is None:
+            unhealthy_since = time.monotonic()
+        elif time.monotonic() - unhealthy_since >= server_timeout:
+            raise _gone(
+                url, f"stopped answering while {what} ({problem} for {time.monotonic() - unhealthy_since:.0f} s)"
+            )
+
+
+def server_backend(client) -> str | None:
+    """The weight-transfer backend of the server behind TRL's ``client`` ("lora_merge", "nccl"; None: none), from
+    its ``/server_info`` (TRL's ``get_server_info``, which names ``VLLM_SERVER_DEV_MODE=1`` where it is missing)."""
+    try:
+        config = client.get_server_info().get("weight_transfer_config")
+    except RuntimeError as error:  # TRL's message: the dev routes are missing
+        raise TRLServerError(" ".join(str(error).split())) from None
+    return (config or {}).get("backend")
+
+
+def _refuse_no_backend(url: str) -> TRLServerError:
+    return TRLServerError(
+        f"the vLLM server at {url} has no weight-transfer backend, so no sync can reach it: start it with "
+        f"{LORA_MERGE_FLAG} (this package installed where it runs: the factors travel) or vLLM's "
+        """'{"backend": "nccl"}' (CUDA; the merged weights travel), see docs/trl.md"""
+    )
+
+
+@contextlib.contextmanager
+def lora_merge_server_client():
+    """Build TRL's server-mode trainer inside this block so that, against a ``lora_merge`` server, TRL opens no NCCL
+    communicator (the factor-only sync connects at its first sync); against vLLM's ``nccl`` backend TRL opens its
+    own, as without the block. The name ``VLLMClient`` in ``trl.generation.vllm_generation`` is swapped for the
+    block only; each client is TRL's own class, with ``init_communicator`` replaced on that instance.
+
+        with lora_merge_server_client():
+            trainer = GRPOTrainer(..., args=GRPOConfig(use_vllm=True, vllm_mode="server", ...))
+        use_merged_lora_sync(trainer)
+    """
+    import trl.generation.vllm_generation as vllm_generation
+
+    from merge.lora_merge import BACKEND
+
+    check_trl_version()
+    trl_client = vllm_generation.VLLMClient
+
+    def build_client(*args, **kwargs):
+        try:
+            client = trl_client(*args, **kwargs)
+        except ConnectionError as error:  # TRL's own, after its connection timeout
+            hint = f" (start it with {LORA_MERGE_FLAG}: docs/trl.md)"
+            raise TRLServerError(" ".join(str(error).split()) + hint) from None
+        open_trl_communicator = client.init_communicator
+
+        def init_communicator(device=0):
+            client.weight_transfer_backend = server_backend(client)
+            if client.weight_transfer_backend is None:
+                raise _refuse_no_backend(client.base_url)
+            if client.weight_transfer_backend != BACKEND:
+                open_trl_communicator(device)
+
+        client.init_communicator = init_communicator
+        return client
+
+    vllm_generation.VLLMClient = build_client
+    try:
+        yield
+    finally:
+        vllm_generation.VLLMClient = trl_client
+
+
 class MergedLoraSync:
     """Replacement for ``VLLMGeneration.sync_weights`` on one TRL generation object (see the module docstring).
 
@@ -141,15 +285,24 @@ class MergedLoraSync:
         generation: the trainer's ``trl.generation.vllm_generation.VLLMGeneration`` (``trainer.vllm_generation``);
             its ``model`` must be a peft model with one active plain-LoRA adapter, unsharded or FSDP2-sharded.
         dtype: dtype of the pushed tensors; default: the engine's (colocate) or the trainer's (server, as TRL).
+        backend: server mode: the server's weight-transfer backend; ``"lora_merge"`` sends the factors only.
+
+    ``last_sync_bytes``: what the last server sync sent (main process; None before it, and in colocate mode).
     """
 
-    def __init__(self, generation, dtype: torch.dtype | None = None):
+    def __init__(self, generation, dtype: torch.dtype | None = None, backend: str | None = None):
         self.generation = generation
         self.dtype = dtype
+        self.backend = backend
         self.server_metadata: list[tuple[str, str, list[int]]] | None = None
+        self.transfer = None  # lora_merge: this process's LoraMergeTrainer (the main process's connects at first)
+        self.syncs = 0
+        self.last_sync_bytes: int | None = None
 
     def __call__(self) -> None:
         from trl.generation.vllm_generation import empty_cache
+
+        from merge.lora_merge import BACKEND
 
         gen = self.generation
         check_fsdp2_layout(gen.model)  # accelerate shards at train(), after installation: checked on every sync
@@ -157,10 +310,15 @@ class MergedLoraSync:
             empty_cache()
             gen.llm.wake_up(tags=["weights"])
             gen._llm_weights_sleeping = False
+        self.syncs += 1
         if gen.mode == "server":
-            self._push_to_server()
+            if self.backend == BACKEND:
+                self._send_factors()
+            else:
+                self._push_to_server()
             if gen.accelerator.is_main_process:
-                gen.vllm_client.reset_prefix_cache()
+                url = gen.vllm_client.base_url
+                _on_server(url, "resetting its prefix cache", gen.vllm_client.reset_prefix_cache)
         else:
             push_merged_lora_to_llm(gen.model, gen.llm, self.dtype)
 
@@ -174,18 +332,57 @@ class MergedLoraSync:
         weights = merged_lora_weights(gen.model, self.dtype)
         if gen.accelerator.is_main_process:
             gen.vllm_client.update_named_params(self.server_metadata, weights)
+            self.last_sync_bytes = sum(
+                torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in self.server_metadata
+            )
         else:
             for _ in weights:  # take part in the unshard collectives
                 pass
+
+    def _send_factors(self) -> None:
+        """The ``lora_merge`` sync: every process gathers the factors (a collective under FSDP2), the main process
+        sends them; the server serves ``W_base + scale * B @ A`` as weight version ``syncs`` once this returns."""
+        from merge.lora_merge import LoraMergeTrainer, LoraMergeTrainerInitInfo, WeightTransferError
+
+        gen = self.generation
+        if not gen.accelerator.is_main_process:
+            if self.transfer is None:
+                info = LoraMergeTrainerInitInfo(rank=gen.accelerator.process_index)
+                self.transfer = LoraMergeTrainer(client=None, init_info=info)
+            self.transfer.send_weights(gen.model)
+            return
+        client = gen.vllm_client
+        url = client.base_url
+        if self.transfer is None:  # one group: the main process and every worker of the server
+            workers = _on_server(url, "reporting its workers", client.get_world_size)
+            transport = "nccl" if torch.cuda.is_available() else "gloo"
+            self.transfer = LoraMergeTrainer.connect(
+                url, rank=0, num_workers=workers, transport=transport, precision_stats=False
+            )
+        try:
+            _on_server(url, "taking a weight sync", self.transfer.send_weights, gen.model, str(self.syncs))
+        except TRLServerError:
+            raise
+        except WeightTransferError as error:  # e.g. a server holding another model: the tensor is named
+            raise TRLServerError(f"weight sync to {url} refused: {' '.join(str(error).split())}") from None
+        except RuntimeError as error:  # the group broke mid-send (gloo: "Connection closed by peer")
+            text = " ".join(str(error).split())[:200]
+            what = f"closed the weight transfer during a sync (gone, or another trainer took it: {text})"
+            raise _gone(url, what) from None
+        self.last_sync_bytes = int(self.transfer.last_sync["sync_bytes"])
 
 
 def use_merged_lora_sync(trainer, dtype: torch.dtype | None = None) -> MergedLoraSync:
     """Make ``trainer`` (a TRL 1.16 ``GRPOTrainer`` with ``use_vllm=True`` and a peft LoRA model) sync vLLM with
     merged LoRA weights instead of ``merge_adapter()``/``unmerge_adapter()``; returns the installed sync.
 
-    Call it after building the trainer and before ``train()``; calling it again returns the installed sync.
+    Call it after building the trainer and before ``train()``; calling it again returns the installed sync. In
+    server mode it is a collective (every process calls it): the main process asks the server for its backend;
+    against ``lora_merge`` (trainer built inside :func:`lora_merge_server_client`) only the factors travel.
     Raises :class:`UnsupportedTRLVersionError` for TRL outside :data:`SUPPORTED_TRL`, ``ValueError`` without vLLM,
-    and ``merge.UnsupportedAdapterError`` for adapters ``merged_lora_params`` cannot merge (DoRA, several adapters...).
+    ``merge.UnsupportedAdapterError`` for adapters ``merged_lora_params`` cannot merge (DoRA, several adapters...)
+    or, against ``lora_merge``, that train more than LoRA factors, and :class:`TRLServerError` for a server
+    without a weight-transfer backend.
     """
     check_trl_version()
     if not getattr(trainer, "use_vllm", False):
@@ -193,9 +390,48 @@ def use_merged_lora_sync(trainer, dtype: torch.dtype | None = None) -> MergedLor
     return install_merged_lora_sync(trainer.vllm_generation, dtype)
 
 
+def _shared_server_backend(generation) -> str | None:
+    """The server's backend, asked by the main process (the only one with a client) and shared with every process;
+    a refusal there is raised on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    answer: str | None | TRLServerError = None
+    if generation.accelerator.is_main_process:
+        client = generation.vllm_client
+        try:
+            if not hasattr(client, "weight_transfer_backend"):  # built outside lora_merge_server_client
+                client.weight_transfer_backend = server_backend(client)
+            answer = client.weight_transfer_backend
+            if answer is None:
+                answer = _refuse_no_backend(client.base_url)
+        except TRLServerError as error:
+            answer = error
+    shared = broadcast_object_list([answer], from_process=0)[0]
+    if isinstance(shared, TRLServerError):
+        raise shared
+    return shared
+
+
+def refuse_non_lora_training(model) -> None:
+    """The ``lora_merge`` server receives LoRA factors only: any other trained tensor (``modules_to_save``,
+    trainable tokens) would never reach it, so it is refused, naming the first few."""
+    from merge import UnsupportedAdapterError
+    from merge.lora_merge import BACKEND
+
+    other = [name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name]
+    if other:
+        raise UnsupportedAdapterError(
+            f"the {BACKEND} server receives LoRA factors only, but the model also trains {len(other)} other "
+            f"tensor(s) ({', '.join(other[:3])}): drop modules_to_save / trainable tokens, or sync through a server "
+            """with vLLM's '{"backend": "nccl"}', which takes the merged weights"""
+        )
+
+
 def install_merged_lora_sync(generation, dtype: torch.dtype | None = None) -> MergedLoraSync:
     """:func:`use_merged_lora_sync` on a ``VLLMGeneration`` directly (for code that builds one without a trainer)."""
     from trl.generation.vllm_generation import VLLMGeneration
+
+    from merge.lora_merge import BACKEND
 
     check_trl_version()
     if not isinstance(generation, VLLMGeneration):
@@ -204,8 +440,29 @@ def install_merged_lora_sync(generation, dtype: torch.dtype | None = None) -> Me
         return generation.sync_weights
     check_supported(generation.model)  # fail now, not at the first rollout
     check_fsdp2_layout(generation.model)
-    generation.sync_weights = MergedLoraSync(generation, dtype)
+    backend = None
+    if generation.mode == "server":
+        backend = _shared_server_backend(generation)
+        if backend == BACKEND:
+            refuse_non_lora_training(generation.model)
+            _watch_generation(generation)
+    generation.sync_weights = MergedLoraSync(generation, dtype, backend)
     return generation.sync_weights
+
+
+def _watch_generation(generation) -> None:
+    """TRL's ``vllm_client.generate`` (main process), on that instance, with the server's failures as one line and
+    its health watched (TRL's ``vllm_server_timeout``: how long /health may fail before the run stops)."""
+    if not generation.accelerator.is_main_process:
+        return
+    client = generation.vllm_client
+    generate = client.generate
+
+    def generate_watched(*args, **kwargs):
+        call = lambda: generate(*args, **kwargs)  # noqa: E731
+        return _watching_health(client.base_url, "generating", call, generation.server_timeout)
+
+    client.generate = generate_watched
 
 
 @contextlib.contextmanager

@@ -18,6 +18,11 @@ with its own engine; the recipe refuses to run if the processes did not join. On
 configs give real FSDP2 (``fully_shard`` per decoder layer, then the root), which ``merge.trl`` syncs one layer
 at a time.
 
+Server mode (``--config recipes/configs/trl_tiny_cpu_server.yaml``, the server started first as docs/trl.md shows):
+TRL's ``vllm_mode: server`` against a ``vllm serve`` with the ``lora_merge`` weight-transfer backend; the trainer is
+built inside ``merge.trl.lora_merge_server_client()`` and each sync sends only the LoRA factors. The server's
+settings are checked first (``ServerEngine.check_settings``: processed log-probs, dtype, no prefix cache, length).
+
 Output: ``<output_dir>/<run_name>/`` (``runs/trl-tiny-cpu/`` with the CPU config): ``metrics.jsonl``, one line per
 rollout under the standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` lists them),
 ``config.yaml`` (resolved) and ``adapter/``.
@@ -25,10 +30,12 @@ rollout under the standalone recipe's names where TRL has the quantity (:class:`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,6 +102,35 @@ class CallTimer:
             self.seconds.append(time.perf_counter() - start)
 
 
+class TokenLogprobCheck:
+    """Stands in for the trainer's ``_generate_and_score_completions`` (on the instance) and records this project's
+    |vLLM - trainer| check on the tokens TRL trains on: |``old_per_token_logps`` - ``sampling_per_token_logps``|
+    over the completion mask, mean and max over every process's tokens at once (a collective: every process
+    generates). ``checks``: (mean, max) per generation."""
+
+    def __init__(self, method):
+        self.method = method
+        self.checks: list[tuple[float, float]] = []
+
+    def __call__(self, *args, **kwargs):
+        output = self.method(*args, **kwargs)
+        old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
+        if old is None or sampled is None:  # TRL computed no old log-probs: nothing to compare
+            return output
+        delta = (old - sampled).abs()[output["completion_mask"].bool()].double()
+        totals = reduce_across_ranks(
+            sums=dict(total=delta.sum().item(), tokens=delta.numel()),
+            maxs=dict(largest=delta.max().item() if delta.numel() else 0.0),
+        )
+        self.checks.append((totals["total"] / max(totals["tokens"], 1), totals["largest"]))
+        return output
+
+    def summary(self) -> dict:
+        """The rollout's check (its first generation's), under the metrics' names; None where none ran."""
+        mean, largest = self.checks[0] if self.checks else (None, None)
+        return dict(token_logprob_diff_mean=mean, token_logprob_diff_max=largest)
+
+
 class RolloutMetrics(TrainerCallback):
     """Writes one line per rollout (``optimizer_steps_per_rollout`` optimizer steps) to ``metrics.jsonl``.
 
@@ -113,6 +149,11 @@ class RolloutMetrics(TrainerCallback):
     peak_mem_gb                peak RSS (CPU) or peak allocated CUDA memory, max over processes
     loss, lr                   mean of TRL's ``loss`` over the rollout's steps; last ``learning_rate``
     merge                      true: vLLM serves merged weights (both syncs merge)
+    is_ratio_min, _mean, _max  TRL's ``sampling/importance_sampling_ratio/*`` (exp(trainer - vLLM) per token)
+    token_logprob_diff_mean    this project's |vLLM - trainer| on the same tokens, over every process's tokens at
+    token_logprob_diff_max     once (TRL's mean is each process's mean, averaged): `TokenLogprobCheck`
+    sync_bytes                 bytes the rollout's sync sent (server mode; the main process's last sync)
+    adapter_factor_bytes       the adapter's LoRA factor bytes (lora_A + lora_B parameters, whole)
 
     TRL does not log the PPO ratio, so ``ratio_mean``/``ratio_min``/``ratio_max`` are absent. Extra keys:
     ``trainer`` ("trl") and ``sync`` (which sync ran), so plots can tell the runs apart.
@@ -127,6 +168,9 @@ class RolloutMetrics(TrainerCallback):
         rollout_timer: CallTimer,
         sync: str,
         write: bool,
+        logprob_check: TokenLogprobCheck,
+        installed_sync=None,
+        adapter_factor_bytes: int | None = None,
     ):
         self.metrics_file = metrics_file
         self.steps_per_rollout = optimizer_steps_per_rollout
@@ -134,6 +178,9 @@ class RolloutMetrics(TrainerCallback):
         self.sync_timer, self.rollout_timer = sync_timer, rollout_timer
         self.sync = sync
         self.write = write
+        self.logprob_check = logprob_check
+        self.installed_sync = installed_sync  # merge.trl's MergedLoraSync (its last_sync_bytes), or None
+        self.adapter_factor_bytes = adapter_factor_bytes
         self.window: list[dict] = []
         self.window_start = time.perf_counter()
 
@@ -151,6 +198,7 @@ class RolloutMetrics(TrainerCallback):
         self.window = []
         self.sync_timer.seconds.clear()
         self.rollout_timer.seconds.clear()
+        self.logprob_check.checks.clear()
         if self.write:
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -191,6 +239,12 @@ class RolloutMetrics(TrainerCallback):
             clip_frac=self.mean("clip_ratio/region_mean"),
             rollout_logprob_diff_mean=self.first("sampling/sampling_logp_difference/mean"),
             rollout_logprob_diff_max=self.first("sampling/sampling_logp_difference/max"),
+            is_ratio_min=self.first("sampling/importance_sampling_ratio/min"),
+            is_ratio_mean=self.first("sampling/importance_sampling_ratio/mean"),
+            is_ratio_max=self.first("sampling/importance_sampling_ratio/max"),
+            **self.logprob_check.summary(),
+            sync_bytes=getattr(self.installed_sync, "last_sync_bytes", None),
+            adapter_factor_bytes=self.adapter_factor_bytes,
             rollout_tokens=rollout_tokens,
             rollout_s=rollout_s,
             rollout_tokens_per_s=rollout_tokens / rollout_s if rollout_tokens is not None and rollout_s else None,
@@ -227,7 +281,7 @@ def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
     """TRL's GRPOTrainer on the embedded default, its colocated engine built with the recipe's engine settings."""
     from trl import GRPOTrainer, get_peft_config
 
-    from merge.trl import vllm_engine_kwargs
+    from merge.trl import lora_merge_server_client, vllm_engine_kwargs
 
     training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype}
     engine = dict(
@@ -239,7 +293,8 @@ def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
         engine["dtype"] = model_args.dtype  # vLLM's "auto" would serve an fp32 checkpoint in bf16
     dataset = problems_dataset(script_args.num_generated, training_args.seed)
     rewards = load_reward_funcs(script_args.reward_funcs)
-    with vllm_engine_kwargs(**engine):
+    server = training_args.vllm_mode == "server"  # the engine settings are the server's own then
+    with vllm_engine_kwargs(**engine), lora_merge_server_client() if server else contextlib.nullcontext():
         return GRPOTrainer(
             model=model_args.model_name_or_path,
             reward_funcs=rewards,
@@ -277,10 +332,12 @@ def setup(argv: list[str] | None = None):
     if script_args.build_tiny:  # the first process builds (cached on disk), the others then reuse it
         with training_args.main_process_first(desc="build the embedded model"):
             build_tiny_model(model_args.model_name_or_path, size=script_args.build_tiny, seed=script_args.build_seed)
+    if training_args.vllm_mode == "server":
+        check_server_settings(training_args, model_args)
     trainer = build_trainer(script_args, training_args, model_args)
     refuse_unjoined_processes(trainer)
-    if script_args.sync == "merged_lora_params":
-        use_merged_lora_sync(trainer)
+    installed = use_merged_lora_sync(trainer) if script_args.sync == "merged_lora_params" else None
+    trainer._generate_and_score_completions = logprob_check = TokenLogprobCheck(trainer._generate_and_score_completions)
     generation = trainer.vllm_generation
     generation.sync_weights = sync_timer = CallTimer(generation.sync_weights)
     generation.generate = rollout_timer = CallTimer(generation.generate)
@@ -299,14 +356,46 @@ def setup(argv: list[str] | None = None):
             rollout_timer,
             script_args.sync,
             write=main_process,
+            logprob_check=logprob_check,
+            installed_sync=installed,
+            adapter_factor_bytes=adapter_factor_bytes(trainer.model),
         )
     )
     return trainer
 
 
+def adapter_factor_bytes(model) -> int:
+    """The bytes of the adapter's LoRA factors, whole (``lora_A``/``lora_B`` parameters; FSDP2 shards' global size)."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "lora_" in name)
+
+
+def check_server_settings(training_args, model_args) -> None:
+    """Server mode, before the model loads: the server samples what the trainer scores (processed log-probs, the
+    model's dtype, no prefix cache, room for prompt + completion), else one line naming each flag to change."""
+    from grpo.engines.server import ServerEngine
+
+    url = (
+        training_args.vllm_server_base_url
+        or f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
+    )
+    ServerEngine.check_settings(
+        url,
+        model_args.model_name_or_path,
+        dtype=model_args.dtype,
+        max_model_len=training_args.vllm_max_model_length or 0,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    trainer = setup(argv)
-    trainer.train()
+    from grpo.engines.server import ServerError
+    from merge.trl import TRLServerError
+
+    try:
+        trainer = setup(argv)
+        trainer.train()
+    except (ServerError, TRLServerError) as error:  # a server that cannot serve the run, or went away: one line
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     trainer.save_model(str(Path(trainer.args.output_dir) / "adapter"))
 
 

@@ -11,7 +11,8 @@ tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml output_dir
 # Clear the earlier runs first: beside an earlier run's checkpoints (not committed) a new run would go to
 # <run_name>-2 instead of replacing it.
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
-       results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-* results/tiny-cpu-server
+       results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-* results/tiny-cpu-server \
+       results/trl-tiny-cpu-server
 "${launch[@]}" "${tiny[@]}"                                    # README's main command, written into results/
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
@@ -43,6 +44,11 @@ serve_tiny bfloat16 bf16-server
     vllm.mode=server vllm.server_url=http://127.0.0.1:8391
 kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu.yaml --output_dir results
+# TRL's server mode against a fresh lora_merge server (docs/trl.md): the factors only, each sync
+serve_tiny float32 trl-tiny-cpu-server
+"${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_server.yaml --output_dir results \
+    --vllm_server_base_url http://127.0.0.1:8391
+kill $server; wait $server || true
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \

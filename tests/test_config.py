@@ -172,6 +172,7 @@ BAD_VALUES = {
     "vllm.mode": "remote",
     "vllm.server_url": "127.0.0.1:8000",
     "vllm.server_base_on_device": "maybe",
+    "vllm.server_tensor_parallel_size": "0",
     "vllm.server_timeout": "0",
     "vllm.max_logprob_diff": "0",
     "vllm.verify_sync": "maybe",

