@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 import torch
 from peft import LoraConfig, get_peft_model
-from qwen3_moe_lora import ATTENTION, EXPERTS, served_logprobs
+from qwen3_moe_lora import ATTENTION, EXPERTS, served_logprobs, tiny_cpu_llm
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from vllm_moe_push_worker import hf_logprobs
 
@@ -72,20 +72,11 @@ def worker_figures(worker) -> dict:
 
 
 def main(kind: str, tp: int, out_path: str, expert_parallel: bool) -> None:
-    from vllm import LLM
-
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(core % os.cpu_count()) for core in range(tp)))
     model_dir = tempfile.mkdtemp()
     tiny_model(model_dir, kind)
-    llm = LLM(
-        model=model_dir,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=256,
-        kv_cache_memory_bytes=32 * 2**20,
-        enable_prefix_caching=False,
-        skip_tokenizer_init=True,
+    llm = tiny_cpu_llm(
+        model_dir,
         tensor_parallel_size=tp,
         enable_expert_parallel=expert_parallel,
         distributed_executor_backend="mp",

@@ -17,12 +17,12 @@ from torchrun import torchrun  # noqa: E402
 from trl_helpers import (  # noqa: E402
     RecordingVLLMClient,
     broadcast_recorded,
-    completion_logprobs,
     expected_tensors,
     max_abs_diff,
     merged_copy,
     params_digest,
     randomize_lora_b,
+    sampled_vs_policy,
 )
 
 from merge import UnsupportedAdapterError  # noqa: E402
@@ -165,13 +165,7 @@ def test_colocate_fp32_direct_comparison_against_the_adapter(fp32_run):
         tokenizer(f"Q: {q}\nA:").input_ids
         for q in ("Ava has 3 pens and gets 4 more. How many now?", "Ben buys 2 boxes of 6 cups. How many cups?")
     ] * 4
-    _, completions, logprobs, _ = generation.generate(prompts=prompts, images=None, num_generations=1)
-    model = trainer.model
-    model.eval()
-    sampled = torch.cat([torch.tensor([lp[0] for lp in seq]) for seq in logprobs])
-    with_adapter = torch.cat([completion_logprobs(model, p, list(c)) for p, c in zip(prompts, completions)])
-    with model.disable_adapter():
-        without = torch.cat([completion_logprobs(model, p, list(c)) for p, c in zip(prompts, completions)])
+    sampled, with_adapter, without = sampled_vs_policy(trainer, generation, prompts, num_generations=1)
     assert (sampled - with_adapter).abs().mean() <= MAX_LOGPROB_DIFF
     # the bound can tell: vLLM serving the weights without the adapter would be far outside it
     assert (sampled - without).abs().mean() > 100 * MAX_LOGPROB_DIFF

@@ -15,7 +15,7 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 from test_server_mode import FakeServer, serving  # noqa: E402
 from test_trl_integration import recipe_argv, trl_process  # noqa: E402, F401 - a fixture, used by name
-from trl_helpers import completion_logprobs, randomize_lora_b  # noqa: E402
+from trl_helpers import randomize_lora_b, sampled_vs_policy  # noqa: E402
 
 from merge.trl import MergedLoraSync, TRLServerError, lora_merge_server_client  # noqa: E402
 
@@ -34,13 +34,7 @@ def served_vs_trainer(trainer) -> tuple[float, float]:
     trainer| with the adapter, and without it (what a server that never received the factors would match)."""
     tokenizer = trainer.processing_class
     prompts = [tokenizer(f"Q: {q}\nA:").input_ids for q in ("Ava has 3 pens and gets 4 more. How many now?",)] * 4
-    _, completions, logprobs, _ = trainer.vllm_generation.generate(prompts=prompts, images=None, num_generations=4)
-    model = trainer.model
-    model.eval()
-    served = torch.cat([torch.tensor([lp[0] for lp in seq]) for seq in logprobs])
-    with_adapter = torch.cat([completion_logprobs(model, p, list(c)) for p, c in zip(prompts, completions)])
-    with model.disable_adapter():
-        without = torch.cat([completion_logprobs(model, p, list(c)) for p, c in zip(prompts, completions)])
+    served, with_adapter, without = sampled_vs_policy(trainer, trainer.vllm_generation, prompts, num_generations=4)
     assert served.numel() > 10
     return (served - with_adapter).abs().mean().item(), (served - without).abs().mean().item()
 

@@ -99,3 +99,17 @@ def randomize_lora_b(model, seed: int = 0, std: float = 0.02) -> None:
 def digit_fraction_reward(completions, **kwargs) -> list[float]:
     """TRL reward function: the fraction of digits in the completion (dense, so every group has reward variance)."""
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def sampled_vs_policy(trainer, generation, prompts: list[list[int]], num_generations: int):
+    """Sample ``prompts`` with TRL's own ``generation.generate``; return the sampled tokens' log-probs as the engine
+    served them, and as the trainer's peft model scores them with its adapter and without it (what an engine that
+    never received the adapter would match)."""
+    _, completions, logprobs, _ = generation.generate(prompts=prompts, images=None, num_generations=num_generations)
+    model = trainer.model
+    model.eval()
+    sampled = torch.cat([torch.tensor([lp[0] for lp in seq]) for seq in logprobs])
+    with_adapter = torch.cat([completion_logprobs(model, p, list(c)) for p, c in zip(prompts, completions)])
+    with model.disable_adapter():
+        without = torch.cat([completion_logprobs(model, p, list(c)) for p, c in zip(prompts, completions)])
+    return sampled, with_adapter, without
