@@ -53,11 +53,7 @@ and ``enforce_eager`` avoids a long compile), build the trainer inside :func:`vl
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -67,6 +63,7 @@ from torch.distributed.tensor import DTensor
 
 from merge.layers import check_supported, decoder_layers
 from merge.merged_params import merged_lora_params
+from merge.server_health import results_watching_health, start_in_daemon_threads
 from merge.vllm_compat import reload_vllm_weights
 
 __all__ = [
@@ -90,7 +87,6 @@ SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
 
 LORA_MERGE_FLAG = """--weight-transfer-config '{"backend": "lora_merge"}'"""
 RESUME_HINT = "restart the server, then resume the run from its last checkpoint (resume_from_checkpoint)"
-HEALTH_PROBE_S = 5.0  # while a generation is waited for: the wait for one /health answer, and between probes
 
 
 class UnsupportedTRLVersionError(RuntimeError):
@@ -182,39 +178,15 @@ def _on_server(url: str, what: str, call: Callable, *args, **kwargs):
 
 
 def _watching_health(url: str, what: str, call: Callable, server_timeout: float):
-    """``call()`` on a daemon thread, its result once done; meanwhile the server's /health is probed, and failing for
-    ``server_timeout`` seconds ends the wait with one line (a front end shutting down keeps open requests waiting,
-    and TRL's client sets no timeout). Daemon: a request left hanging never keeps the process from exiting."""
-    import requests
+    """``call()`` on a daemon thread, its result once done, the server's /health probed meanwhile
+    (`merge.server_health`): failing for ``server_timeout`` seconds ends the wait with one line (a front end
+    shutting down keeps open requests waiting, and TRL's client sets no timeout)."""
 
-    future: Future = Future()
+    def gone(problem: str, seconds: float) -> TRLServerError:
+        return _gone(url, f"stopped answering while {what} ({problem} for {seconds:.0f} s)")
 
-    def run():
-        try:
-            future.set_result(_on_server(url, what, call))
-        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-            future.set_exception(error)
-
-    threading.Thread(target=run, daemon=True).start()
-    unhealthy_since = None
-    while True:
-        try:
-            return future.result(timeout=HEALTH_PROBE_S)
-        except FutureTimeout:
-            pass
-        try:
-            status = requests.get(f"{url}/health", timeout=HEALTH_PROBE_S).status_code
-            problem = None if status == 200 else f"/health answers {status}"
-        except requests.RequestException as error:
-            problem = f"/health: {type(error).__name__}"
-        if problem is None:
-            unhealthy_since = None
-        elif unhealthy_since is None:
-            unhealthy_since = time.monotonic()
-        elif time.monotonic() - unhealthy_since >= server_timeout:
-            raise _gone(
-                url, f"stopped answering while {what} ({problem} for {time.monotonic() - unhealthy_since:.0f} s)"
-            )
+    [future] = start_in_daemon_threads([lambda: _on_server(url, what, call)], max_workers=1)
+    return results_watching_health([future], url, server_timeout, gone)[0]
 
 
 def server_backend(client) -> str | None:

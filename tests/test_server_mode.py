@@ -579,10 +579,10 @@ def test_a_wait_on_a_server_that_stops_answering_ends_naming_the_url(tokenizer_d
     health watch ends the wait once /health has failed for server_timeout seconds, with one line naming the URL."""
     from vllm import SamplingParams
 
-    from grpo.engines import server as server_module
     from grpo.engines.server import ServerEngine, ServerError
+    from merge import server_health
 
-    monkeypatch.setattr(server_module, "HEALTH_PROBE_S", 0.5)
+    monkeypatch.setattr(server_health, "HEALTH_PROBE_S", 0.5)
     fake = FakeServer(backend=True, generate_delay=None)
     try:
         engine = ServerEngine(fake.url, tokenizer_dir, server_timeout=2.0)
@@ -609,10 +609,10 @@ def test_a_healthy_server_is_waited_for_past_the_timeout(tokenizer_dir, monkeypa
     """The control: a generation slower than server_timeout on a server whose /health answers is not stopped."""
     from vllm import SamplingParams
 
-    from grpo.engines import server as server_module
     from grpo.engines.server import ServerEngine
+    from merge import server_health
 
-    monkeypatch.setattr(server_module, "HEALTH_PROBE_S", 0.5)
+    monkeypatch.setattr(server_health, "HEALTH_PROBE_S", 0.5)
     fake = FakeServer(backend=True, generate_delay=3.0)
     try:
         engine = ServerEngine(fake.url, tokenizer_dir, server_timeout=1.0)

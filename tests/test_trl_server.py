@@ -166,9 +166,10 @@ def test_a_generation_left_hanging_by_an_unhealthy_server_ends_in_one_line(monke
     wait once /health has failed for the timeout; the control: a slower generation on a healthy server is waited for."""
     import threading
 
+    from merge import server_health
     from merge import trl as merge_trl
 
-    monkeypatch.setattr(merge_trl, "HEALTH_PROBE_S", 0.5)
+    monkeypatch.setattr(server_health, "HEALTH_PROBE_S", 0.5)
     fake = FakeServer(backend=True)
     try:
         slow = lambda: threading.Event().wait(3.0) or "done"  # noqa: E731

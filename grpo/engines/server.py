@@ -20,51 +20,23 @@ The server (started by the user; docs/server.md):
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import functools
 import shlex
-import threading
-import time
 import urllib.parse
-from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
+from merge.server_health import results_watching_health, start_in_daemon_threads
 
-HEALTH_PROBE_S = 5.0  # while waiting on the server: the wait for one /health answer, and the time between probes
 RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
 
 
 class ServerError(RuntimeError):
     """The vLLM server is unreachable, misconfigured, or stopped answering (the message says which and what to do)."""
-
-
-def start_in_daemon_threads(calls: list[Callable[[], object]], max_workers: int) -> list[Future]:
-    """Start ``calls`` on at most ``max_workers`` threads; their futures, in order. Daemon threads: a call stuck on
-    a server that went away never keeps the process from exiting (a ThreadPoolExecutor's threads are joined at exit,
-    and an HTTP read of a server whose front end keeps its connections open never returns)."""
-    futures = [Future() for _ in calls]
-    work = collections.deque(zip(futures, calls))
-
-    def worker():
-        while work:
-            try:
-                future, call = work.popleft()
-            except IndexError:  # another worker took the last call
-                return
-            try:
-                future.set_result(call())
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread through the future
-                future.set_exception(error)
-
-    for _ in range(min(max_workers, len(calls))):
-        threading.Thread(target=worker, daemon=True).start()
-    return futures
 
 
 def serve_command(url: str, model: str, merge: bool = True) -> str:
@@ -168,41 +140,17 @@ class ServerEngine:
             return {}  # e.g. /v1/load_lora_adapter answers in plain text
         return response.json()
 
-    def _health_problem(self) -> str | None:
-        """None while the server's /health answers 200 within `HEALTH_PROBE_S`; else what went wrong. A dead engine
-        core answers 503; a front end shutting down (SIGTERM) refuses new connections while it keeps the open ones
-        waiting; a stuck one does not answer."""
-        import requests
-
-        try:
-            status = requests.get(f"{self.url}/health", timeout=HEALTH_PROBE_S).status_code
-        except requests.RequestException as error:
-            return f"/health: {type(error).__name__}"
-        return None if status == 200 else f"/health answers {status}"
-
     def _results_watching_health(self, futures: list[Future], what: str) -> list:
-        """The futures' results, in order, once all are done; a failed call raises its error at once. Meanwhile the
-        server's health is probed: failing for `server_timeout` seconds stops the wait with a `ServerError`."""
-        pending, unhealthy_since = set(futures), None
-        while pending:
-            done, pending = concurrent.futures.wait(
-                pending, timeout=HEALTH_PROBE_S, return_when=concurrent.futures.FIRST_EXCEPTION
+        """The futures' results (`merge.server_health`): a server failing /health for `server_timeout` seconds
+        stops the wait with a `ServerError`."""
+
+        def gone(problem: str, seconds: float) -> ServerError:
+            return self._gone(
+                f"stopped answering while {what} ({problem} for {seconds:.0f} s, "
+                f"vllm.server_timeout={self.server_timeout:g})"
             )
-            for future in done:
-                future.result()
-            if not pending:
-                break
-            problem = self._health_problem()
-            if problem is None:
-                unhealthy_since = None
-            elif unhealthy_since is None:
-                unhealthy_since = time.monotonic()
-            elif time.monotonic() - unhealthy_since >= self.server_timeout:
-                raise self._gone(
-                    f"stopped answering while {what} ({problem} for {time.monotonic() - unhealthy_since:.0f} s, "
-                    f"vllm.server_timeout={self.server_timeout:g})"
-                )
-        return [future.result() for future in futures]
+
+        return results_watching_health(futures, self.url, self.server_timeout, gone)
 
     def _get(self, path: str):
         return self._request("GET", path)
