@@ -235,6 +235,13 @@ class RecipeConfig:
     )
     steps_per_generation: int = setting(4, "mini-batches (optimizer steps) per rollout, per iteration", range=">= 1")
     num_iterations: int = setting(1, "passes over each rollout", range=">= 1")
+    max_staleness: int = setting(
+        0,
+        "policy versions a sampled token may lag the trainer when it is trained on (TRL AsyncGRPO's name): 0 = "
+        "synchronous; >= 1: the server generates the next rollout steps while the trainer updates, the updates land "
+        "between decode steps (vllm.mode=server, lora.merge=true; docs/async.md)",
+        range=">= 0",
+    )
     num_generations: int = setting(
         8, "completions per prompt (the group)", range=">= 2 (GRPO normalizes within a group)"
     )
@@ -351,6 +358,8 @@ class RecipeConfig:
                 "lora.use_dora=True is not supported: merge/ (lora.merge=true) and vLLM's LoRA "
                 "(lora.merge=false) both serve plain LoRA only"
             )
+        if self.max_staleness > 0:
+            self.check_asynchronous()
         if not self.lora.merge:
             limit = self.vllm.max_lora_rank or self.lora.r
             if self.lora.r > limit or self.lora.r > VLLM_LORA_RANKS[-1]:
@@ -369,6 +378,25 @@ class RecipeConfig:
                     f"lora.merge=false: vLLM's LoRA cannot serve lora.modules_to_save="
                     f"{self.lora.modules_to_save}; use lora.merge=true (merged weights include them)"
                 )
+
+    def check_asynchronous(self) -> None:
+        """max_staleness >= 1 needs what lets generation overlap the update, and the correction for stale tokens."""
+        why = f"max_staleness={self.max_staleness} (asynchronous rollouts)"
+        if self.vllm.mode != "server":
+            raise ConfigError(
+                f"{why} needs vllm.mode=server: a colocated engine shares the trainer's devices, so it cannot generate "
+                "while the trainer updates; use max_staleness=0"
+            )
+        if not self.lora.merge:
+            raise ConfigError(
+                f"{why} needs lora.merge=true: updates land between decode steps as LoRA factors merged in the "
+                "server; an adapter loaded with /v1/load_lora_adapter cannot replace the one requests in flight use"
+            )
+        if not self.vllm_importance_sampling_correction:
+            raise ConfigError(
+                f"{why} needs vllm_importance_sampling_correction=true: stale tokens are weighed by trainer-over-"
+                "vLLM probability (decoupled PPO); without it the update would treat them as on-policy"
+            )
 
 
 def check_attn_implementation(name: str) -> None:

@@ -167,20 +167,23 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Ten
 
 
 def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Left-padded prompts + right-padded responses -> input_ids/attention_mask [N, P+R], response_mask and the
-    engine's log-probs [N, R], truncated [N]."""
+    """Left-padded prompts + right-padded responses -> input_ids/attention_mask [N, P+R], response_mask, the
+    engine's log-probs and (server) the policy version of each token [N, R], truncated [N]."""
     width_p = max(len(s.prompt_ids) for s in samples)
     width_r = max(1, max(len(s.completion_ids) for s in samples))
     n = len(samples)
     input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)
     vllm_logprobs = torch.zeros((n, width_r))
+    versions = torch.zeros((n, width_r), dtype=torch.long) if samples[0].versions is not None else None
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.completion_ids)
         input_ids[i, width_p - p : width_p] = torch.tensor(s.prompt_ids)
         input_ids[i, width_p : width_p + r] = torch.tensor(s.completion_ids, dtype=torch.long)
         attention_mask[i, width_p - p : width_p + r] = 1
         vllm_logprobs[i, :r] = torch.tensor(s.logprobs)
+        if versions is not None:
+            versions[i, :r] = torch.tensor(s.versions, dtype=torch.long)
     response_mask = attention_mask[:, width_p:].clone()
     batch = dict(
         input_ids=input_ids,
@@ -189,6 +192,8 @@ def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Te
         vllm_logprobs=vllm_logprobs,
         truncated=torch.tensor([s.truncated for s in samples]),
     )
+    if versions is not None:  # the policy version that sampled each token (a server's rollouts)
+        batch["versions"] = versions
     return {k: v.to(device) for k, v in batch.items()}
 
 

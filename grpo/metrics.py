@@ -2,15 +2,18 @@
 
 `reduce_statistics` reduces each named statistic with its own operation (sums, `*_min`, `*_max`; phase times are
 the slowest rank's), `step_metrics` turns the totals into the line the plots read, `write_metrics` appends it to
-the run folder's metrics.jsonl (rank 0) and hands it to the trackers (`report_to`).
+the run folder's metrics.jsonl (rank 0) and hands it to the trackers (`report_to`); `Timeline` writes when each
+side was busy (server mode).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -22,8 +25,9 @@ from grpo.parallel import reduce_across_ranks
 
 def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: torch.device) -> dict:
     """This rank's statistics of a rollout step, reduced across ranks by name (a collective)."""
-    mask = batch["response_mask"].bool()
-    diff = (batch["vllm_logprobs"] - batch["old_logprobs"]).abs()[mask]
+    # asynchronous rollouts: on the tokens whose sampling weights the trainer scored (`grpo.policy_versions`)
+    mask = batch.get("fidelity_mask", batch["response_mask"].bool())
+    diff = (batch["vllm_logprobs"] - batch.get("fidelity_logprobs", batch["old_logprobs"])).abs()[mask]
     local = dict(
         reward_sum=rewards.nansum().item(),
         reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
@@ -95,6 +99,16 @@ def step_metrics(
         metrics["sync_bytes"] = int(total["sync_bytes"])
     if "loss_scale_min" in total:  # fp16: the lowest loss scale of this step's updates; steps skipped so far
         metrics.update(loss_scale=total["loss_scale_min"], skipped_steps=int(total["skipped_steps_max"]))
+    if "staleness_count" in total:  # max_staleness >= 1: versions behind, per sampled token; the check's coverage
+        metrics.update(
+            staleness_mean=total["staleness_sum"] / max(1.0, total["staleness_count"]),
+            staleness_max=int(total["staleness_max"]),
+            stale_completions=int(total["stale_completions"]),
+            updated_in_flight=int(total["updated_in_flight"]),
+            fidelity_tokens=int(total["logprob_diff_count"]),
+        )
+    if "rollout_wait_s" in total:  # server mode: each side's wait for the other (the slowest rank's)
+        metrics.update(rollout_wait_s=total["rollout_wait_s"], server_idle_s=total["server_idle_s"])
     if "sync_changed_trainer" in total:
         metrics["sync_changed_trainer"] = int(total["sync_changed_trainer"])
     return metrics
@@ -121,3 +135,46 @@ def peak_mem_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Timeline:
+    """When the trainer was busy with what, and when the server had this process's requests (epoch seconds), one
+    line per rollout step in <run_dir>/timeline.jsonl (rank 0; vllm.mode=server): `recipes/plot_timeline.py` draws
+    it."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.path, self.enabled = run_dir / "timeline.jsonl", enabled
+        self.spans: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def span(self, name: str):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.spans[name] = [start, time.time()]
+
+    def write(self, rollout_step: int, server: list[tuple[float, float]], rank: int) -> None:
+        if self.enabled and rank == 0:
+            line = dict(rollout_step=rollout_step, trainer=self.spans, server=[list(i) for i in server])
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        self.spans = {}
+
+
+def busy_fractions(lines: list[dict]) -> dict:
+    """Over timeline lines (`Timeline`, consecutive rollout steps; from the first one's sync to the last one's update):
+    the seconds, the rollout steps per minute, and the share of the time the trainer synced or updated and the share
+    the server had requests."""
+    from grpo.engines.rollout_queue import union_seconds
+
+    start, end = lines[0]["trainer"]["sync"][0], lines[-1]["trainer"]["update"][1]
+    trainer = sum(hi - lo for t in lines for name, (lo, hi) in t["trainer"].items() if name != "rollout")
+    server = union_seconds([tuple(i) for t in lines for i in t["server"]], start, end)
+    return dict(
+        seconds=end - start,
+        rollout_steps_per_min=60 * len(lines) / (end - start),
+        trainer_busy=trainer / (end - start),
+        server_busy=server / (end - start),
+    )
+

@@ -30,10 +30,12 @@ from grpo.data import check_reward_columns, held_out_problems, load_problems, lo
 from grpo.engines.build import prepare_engine
 from grpo.engines.colocated import check_vllm_lora_targets
 from grpo.engines.interface import Engine
+from grpo.engines.rollout_queue import RolloutQueue
 from grpo.faults import LogprobGuard
 from grpo.loss import LossSettings
 from grpo.loss_scaling import DynamicLossScale
 from grpo.memory_plan import check_fits, check_server_fits, device_memory_bytes, format_plan, memory_plan
+from grpo.metrics import Timeline
 from grpo.parallel import (
     FSDPSettings,
     apply_activation_checkpointing,
@@ -43,6 +45,7 @@ from grpo.parallel import (
     fsdp_settings,
     init_distributed,
 )
+from grpo.policy_versions import PolicyVersions
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
@@ -53,6 +56,12 @@ EMBEDDED_DEFAULT_HINT = (
     "accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_qwen3_4b.py --config "
     "recipes/configs/tiny_cpu.yaml"
 )
+
+
+def rollout_rows(problems: list[dict], prompts_per_rank: int, rank: int, world: int, rollout_step: int) -> list[dict]:
+    """This rank's prompts (rows) of a rollout step: the data in order, each rank its own consecutive share."""
+    start = ((rollout_step - 1) * world + rank) * prompts_per_rank
+    return [problems[(start + i) % len(problems)] for i in range(prompts_per_rank)]
 
 
 def crossed(every: int, before: int, after: int) -> bool:
@@ -83,6 +92,9 @@ class Run:
     num_rollout_steps: int
     resumed_rollout_step: int  # 0 for a fresh run
     guard: LogprobGuard
+    rollouts: RolloutQueue  # the rollout steps' requests, sent up to max_staleness syncs ahead
+    timeline: Timeline  # when each side was busy (server mode: timeline.jsonl)
+    policies: PolicyVersions | None = None  # max_staleness >= 1: the factors of recent versions (fidelity check)
     last_checkpoint: Path | None = None
     # fp16 only: dynamic loss scaling (disabled, scale 1, in fp32 and bf16)
     loss_scale: DynamicLossScale = field(default_factory=lambda: DynamicLossScale(enabled=False))
@@ -109,6 +121,9 @@ class Run:
             self.cfg.save_steps, self.global_step(rollout_step - 1), self.global_step(rollout_step)
         )
 
+    def prompts_for(self, rollout_step: int) -> list[dict]:
+        return rollout_rows(self.problems, self.cfg.prompts_per_rank, self.rank, self.world, rollout_step)
+
     @property
     def logprob_options(self) -> dict:
         """How `packed_log_probs` scores tokens: vLLM's sampling truncation (top-k/top-p), LM-head chunks."""
@@ -133,7 +148,8 @@ def free_run_name(output_dir: str, run_name: str) -> str:
 
 
 def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rollout_step: int) -> Path:
-    """Create <output_dir>/<run_name>/ (rank 0), route the log into its train.log, trim metrics.jsonl on resume."""
+    """Create <output_dir>/<run_name>/ (rank 0), route the log into its train.log; on resume, trim metrics.jsonl
+    and timeline.jsonl."""
     run_dir = Path(cfg.output_dir) / cfg.run_name
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
@@ -147,13 +163,15 @@ def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rol
         # mode "a": importing vLLM closes existing handlers (logging.config.dictConfig); "a" reopens, "w" would not
         logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="a"))
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        metrics_file = run_dir / "metrics.jsonl"
-        earlier = metrics_file.read_text().splitlines() if resume and metrics_file.exists() else []
         # a resumed run keeps the rollout steps up to its checkpoint and redoes the rest (evaluations from the
         # checkpoint's weights on, too: they come again after the first sync)
-        metrics_file.write_text(
-            "".join(line + "\n" for line in earlier if keep_on_resume(json.loads(line), resumed_rollout_step))
-        )
+        for lines_file in (run_dir / "metrics.jsonl", run_dir / "timeline.jsonl"):
+            earlier = lines_file.read_text().splitlines() if resume and lines_file.exists() else []
+            kept = [line for line in earlier if keep_on_resume(json.loads(line), resumed_rollout_step)]
+            if kept or lines_file.name == "metrics.jsonl":
+                lines_file.write_text("".join(line + "\n" for line in kept))
+            else:
+                lines_file.unlink(missing_ok=True)
     return run_dir
 
 
@@ -377,6 +395,14 @@ def setup(cfg: RecipeConfig) -> Run:
         )
     check_shared_output_dir(run_dir, rank, world)
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
+    if cfg.max_staleness > 0 and cfg.vllm_importance_sampling_mode.startswith("sequence_"):
+        log.warning(
+            "max_staleness=%d with vllm_importance_sampling_mode=%s: a completion's weight is the product of its "
+            "tokens' ratios, which staleness spreads widely; token_truncate (per token, AReaL's decoupled PPO) "
+            "learned closer to the synchronous run in results/ (docs/async.md)",
+            cfg.max_staleness,
+            cfg.vllm_importance_sampling_mode,
+        )
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     reward_funcs = dict(zip(cfg.reward_funcs, load_reward_funcs(cfg.reward_funcs)))
@@ -405,6 +431,14 @@ def setup(cfg: RecipeConfig) -> Run:
     loss_scale = DynamicLossScale(enabled=compute_dtype == torch.float16)
     loss_scale.load_state_dict(resumed_state.get("loss_scale"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # a resumed run starts with nothing queued: its first rollout steps are sampled by the checkpoint's policy
+    rollouts = RolloutQueue(
+        engine,
+        lambda step: [row["prompt_ids"] for row in rollout_rows(problems, cfg.prompts_per_rank, rank, world, step)],
+        rollout_sampling(cfg),
+        cfg.max_staleness,
+        num_rollout_steps,
+    )
     return Run(
         cfg=cfg,
         rank=rank,
@@ -426,5 +460,24 @@ def setup(cfg: RecipeConfig) -> Run:
         resumed_rollout_step=resumed,
         last_checkpoint=resume,
         guard=LogprobGuard(cfg, resumed_state.get("logprob_diff_baseline")),
+        rollouts=rollouts,
+        timeline=Timeline(run_dir, enabled=cfg.vllm.mode == "server"),
+        policies=PolicyVersions(model, keep=cfg.max_staleness) if cfg.max_staleness > 0 else None,
         loss_scale=loss_scale,
+    )
+
+
+def rollout_sampling(cfg: RecipeConfig):
+    """vLLM's sampling of a rollout: num_generations completions per prompt, each token's log-prob (of the
+    distribution it samples from: top-k / top-p truncated, as the trainer's log-probs are). No per-request seed
+    here: each rank's engine has its own stream (the server engine seeds each request from the process's RNG)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=cfg.num_generations,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k if cfg.top_k > 0 else -1,
+        max_tokens=cfg.max_completion_length,
+        logprobs=0,
     )

@@ -13,7 +13,9 @@ One rollout step, top to bottom (`main`):
               merge=off: save the adapter, serve it with a fresh LoRARequest
               (then, every eval_steps optimizer steps, the held-out evaluation on those weights)
   2. rollout  vLLM samples num_generations completions per prompt, with the sampled tokens' log-probs
-              (of the distribution it samples from: top-k / top-p truncated, as the trainer's log-probs are)
+              (of the distribution it samples from: top-k / top-p truncated, as the trainer's log-probs are);
+              max_staleness >= 1 (server): they were sent up to max_staleness syncs ago and sampled while the
+              trainer updated, the syncs landing between decode steps (grpo/engines/rollout_queue.py)
   3. reward   TRL-style reward functions -> group-normalized advantages
   4. old      one no-grad packed forward per mini-batch -> old (and reference) log-probs, via `padding`
   5. update   num_iterations x steps_per_generation mini-batches of the GRPO loss (later ones off-policy)
@@ -96,6 +98,7 @@ from grpo.faults import StopRequest, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
 from grpo.metrics import params_digest, reduce_statistics, step_metrics, write_metrics
 from grpo.parallel import gather_across_ranks, reduce_across_ranks
+from grpo.policy_versions import sampler_log_probs
 from grpo.run import Run, setup
 from padding import packed_log_probs
 
@@ -110,10 +113,12 @@ def generation_phase(run: Run, rollout_step: int):
     engine. Returns (rows, samples, metrics).
     """
     with run.engine.awake():
-        phases = sync_weights(run, rollout_step)
+        with run.timeline.span("sync"):
+            phases = sync_weights(run, rollout_step)
         if run.eval_due(rollout_step - 1):
             evaluate(run, rollout_step - 1)
-        rows, samples, rollout_metrics = rollout(run, rollout_step)
+        with run.timeline.span("rollout"):
+            rows, samples, rollout_metrics = rollout(run, rollout_step)
     return rows, samples, {**phases, **rollout_metrics}
 
 
@@ -125,33 +130,21 @@ def sync_weights(run: Run, rollout_step: int) -> dict:
     if run.cfg.vllm.sync:  # false (debugging only): vLLM keeps serving stale weights, which the guard must catch
         precision = run.engine.sync_policy(run.model, run.run_dir / "_rollout_adapter", rollout_step, run.rank)
     metrics = dict(sync_s=time.perf_counter() - t0, **precision)
+    if run.policies is not None:  # asynchronous: the factors of this version, for the fidelity check later
+        run.policies.remember(rollout_step)
     if digest_before is not None:
         metrics["sync_changed_trainer"] = float(digest_before != params_digest(run.model))
     return metrics
 
 
 def rollout(run: Run, rollout_step: int):
-    """2. Sample num_generations completions for this rank's prompts. Returns (rows, samples, metrics)."""
-    from vllm import SamplingParams
-
-    cfg, ppr = run.cfg, run.cfg.prompts_per_rank
+    """2. num_generations completions of each of this rank's prompts, from the rollout queue: sampled now, or (max
+    staleness >= 1) sent up to max_staleness syncs ago. Returns (rows, samples, metrics)."""
     t0 = time.perf_counter()
-    start = ((rollout_step - 1) * run.world + run.rank) * ppr
-    rows = [run.problems[(start + i) % len(run.problems)] for i in range(ppr)]
-    sampling = SamplingParams(
-        n=cfg.num_generations,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k if cfg.top_k > 0 else -1,
-        max_tokens=cfg.max_completion_length,
-        logprobs=0,
-    )  # no per-request seed: each rank's engine has its own stream
-    samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling, use_tqdm=run.rank == 0)
-    return (
-        rows,
-        samples,
-        dict(rollout_s=time.perf_counter() - t0, rollout_tokens=sum(len(s.completion_ids) for s in samples)),
-    )
+    samples, queue_metrics = run.rollouts.take(rollout_step, use_tqdm=run.rank == 0)
+    tokens = sum(len(s.completion_ids) for s in samples)
+    metrics = dict(rollout_s=time.perf_counter() - t0, rollout_tokens=tokens, **queue_metrics)
+    return run.prompts_for(rollout_step), samples, metrics
 
 
 def rewards_and_advantages(run: Run, rows, samples, rollout_step: int):
@@ -177,19 +170,24 @@ def mini_batches(run: Run, batch: dict) -> list[slice]:
 
 @torch.no_grad()
 def old_log_probs(run: Run, batch: dict, rollout_step: int) -> None:
-    """4. Add `old_logprobs` (and `ref_logprobs`, adapter disabled, if beta > 0) [N, R] to ``batch``."""
+    """4. Add `old_logprobs` (and `ref_logprobs`, adapter disabled, if beta > 0) [N, R] to ``batch``; max_staleness
+    >= 1: the fidelity check's log-probs, under the weights that sampled each token (`grpo.policy_versions`)."""
     cfg, model = run.cfg, run.model
     old, ref = torch.zeros_like(batch["vllm_logprobs"]), torch.zeros_like(batch["vllm_logprobs"])
     model.eval()
+
+    def score(sub: dict) -> torch.Tensor:
+        with run.autocast():
+            args = (sub["input_ids"], sub["attention_mask"], sub["response_mask"], cfg.temperature)
+            return packed_log_probs(model, *args, **run.logprob_options)
+
     for rows in mini_batches(run, batch):
         sub = select(batch, rows)
         width = sub["response_mask"].shape[1]
-        args = (sub["input_ids"], sub["attention_mask"], sub["response_mask"], cfg.temperature)
-        with run.autocast():
-            old[rows, :width] = packed_log_probs(model, *args, **run.logprob_options)
-            if cfg.beta > 0:
-                with model.disable_adapter():
-                    ref[rows, :width] = packed_log_probs(model, *args, **run.logprob_options)
+        old[rows, :width] = score(sub)
+        if cfg.beta > 0:
+            with model.disable_adapter():
+                ref[rows, :width] = score(sub)
     # an fp16 overflow in the forward shows here first (inf/NaN log-probs), before it reaches a ratio
     stop_if_nonfinite(
         f"rollout step {rollout_step}, old log-probs forward ({cfg.model.dtype})",
@@ -197,6 +195,11 @@ def old_log_probs(run: Run, batch: dict, rollout_step: int) -> None:
         run.last_checkpoint,
     )
     batch["old_logprobs"], batch["ref_logprobs"] = old, ref
+    if run.policies is not None:
+        first = mini_batches(run, batch)[0]
+        batch["fidelity_logprobs"], batch["fidelity_mask"] = sampler_log_probs(
+            batch, first, run.policies, rollout_step, cfg.max_staleness, score
+        )
 
 
 def importance_sampling(run: Run, batch: dict) -> dict:
@@ -444,14 +447,16 @@ def main(cfg: RecipeConfig) -> None:
             save(run, rollout_step)
             break
 
-        rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
-        t0 = time.perf_counter()
-        batch = training_batch(run, samples, advantages)
-        old_log_probs(run, batch, rollout_step)
-        update_stats = update(run, batch, rollout_step)
-        phases["update_s"] = time.perf_counter() - t0
+        with run.timeline.span("update"):
+            rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
+            t0 = time.perf_counter()
+            batch = training_batch(run, samples, advantages)
+            old_log_probs(run, batch, rollout_step)
+            update_stats = update(run, batch, rollout_step)
+            phases["update_s"] = time.perf_counter() - t0
 
         metrics = log_metrics(run, rollout_step, rewards, batch, phases, update_stats, t_step)
+        run.timeline.write(rollout_step, run.rollouts.answered, run.rank)
         run.guard.check(rollout_step, metrics["rollout_logprob_diff_mean"])
         signum = stop.agreed()
         if signum or run.save_due(rollout_step):

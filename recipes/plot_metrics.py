@@ -52,8 +52,8 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def label(rows: list[dict], config: dict) -> str:
-    """What tells a run apart: how vLLM serves the policy (and where), the trainer, the padding rule, the dtype, an
-    MoE model."""
+    """What tells a run apart: how vLLM serves the policy (and where, how far ahead, with which correction), the
+    trainer, the padding rule, the dtype, an MoE model."""
     first = rows[0]
     text = (
         "TRL GRPOTrainer + merged sync"
@@ -65,8 +65,11 @@ def label(rows: list[dict], config: dict) -> str:
     # the standalone recipe's attention when not its default (TRL's trainer runs padded batches)
     attention = model.get("attn_implementation") or "packed_sdpa"
     vllm = config.get("vllm") if isinstance(config.get("vllm"), dict) else {}
+    correction = config.get("vllm_importance_sampling_mode", "sequence_mask")
     extras = [
         ("vllm serve" if vllm.get("mode") == "server" else None),
+        (f"max_staleness={config['max_staleness']}" if config.get("max_staleness") else None),
+        (correction if config.get("max_staleness") and correction != "sequence_mask" else None),
         ("legacy padding" if first.get("legacy_slice") else None),
         ({"bfloat16": "bf16", "float16": "fp16"}.get(dtype)),
         ("MoE" if "moe" in str(model.get("build_tiny")) else None),

@@ -112,3 +112,26 @@ def test_summary_medians_leave_out_the_warm_up_step(tmp_path):
     assert on["max_abs_ratio_mean_minus_1"] == 4.0 and on["ratio_max"] == 10.0
     assert on["steps"] == 5 and on["reward_first_10"] == pytest.approx(0.53) == on["reward_last_10"]
     assert (on["eval_sampled_first"], on["eval_sampled_last"]) == pytest.approx((0.4, 0.65))
+
+
+def test_timeline_draws_each_side_and_its_busy_fractions(tmp_path):
+    """Two rollout steps: the trainer busy 1 s of every 2 (sync + update), the server's requests overlapping."""
+    import plot_timeline
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("max_staleness: 1\n")
+    lines = [
+        dict(rollout_step=1, trainer=dict(sync=[0, 0.5], rollout=[0.5, 1.0], update=[1.0, 1.5]), server=[[0.5, 1.0]]),
+        dict(rollout_step=2, trainer=dict(sync=[1.5, 2.0], rollout=[2.0, 3.5], update=[3.5, 4.0]), server=[[0.9, 3.5]]),
+    ]
+    (run / "timeline.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "timeline.png"
+    summary = plot_timeline.main([str(run), "--steps", "1", "2", "--out", str(out)])
+    figures = summary[str(run)]
+    assert figures["seconds"] == 4.0 and figures["rollout_steps_per_min"] == 30.0
+    assert figures["trainer_busy"] == 2.0 / 4.0 and figures["server_busy"] == 3.0 / 4.0
+    assert matplotlib.image.imread(out).shape[2] in (3, 4)
+    assert json.loads(out.with_suffix(".json").read_text()) == summary
+    with pytest.raises(SystemExit, match="no timeline lines"):
+        plot_timeline.main([str(run), "--steps", "5", "6", "--out", str(out)])

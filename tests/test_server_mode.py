@@ -519,7 +519,7 @@ def test_a_rollout_from_another_weight_version_stops_naming_both(tokenizer_dir):
         [sample] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=0))
         assert sample.completion_ids == [5, 6] and sample.logprobs == [-1.0, -2.0] and sample.truncated
         engine.version = "8"  # the trainer pushed 8; the server answers from 7
-        with pytest.raises(EngineStateError, match=r"weight version\(s\) \['7'\], not '8'"):
+        with pytest.raises(EngineStateError, match=r"weight version\(s\) \['7'\], not \['8'\]"):
             engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=0))
     finally:
         fake.stop()
@@ -571,6 +571,34 @@ def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_d
     with pytest.raises(ServerError, match="resume_from_checkpoint=last") as caught:
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, logprobs=0))
     assert fake.url in str(caught.value)
+
+
+def test_a_connection_dropped_once_is_sent_again_with_the_same_seed(tokenizer_dir, monkeypatch):
+    """A pooled connection the front end closed just as a request reused it (uvicorn's 5 s keep-alive) fails once:
+    the request goes again, seed and all, and the rollout carries on."""
+    import requests
+    from vllm import SamplingParams
+
+    from grpo.engines.server import ServerEngine
+
+    fake = FakeServer(backend=True)
+    sent, real_request = [], requests.Session.request
+
+    def drops_the_first_generation(session, method, url, **kwargs):
+        if url.endswith("/inference/v1/generate") and "token_ids" in (kwargs.get("json") or {}):
+            sent.append(kwargs["json"]["sampling_params"]["seed"])
+            if len(sent) == 1:
+                raise requests.ConnectionError("('Connection aborted.', RemoteDisconnected())")
+        return real_request(session, method, url, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "request", drops_the_first_generation)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir)
+        engine.version = "7"
+        [sample] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=0))
+        assert sample.completion_ids == [5, 6] and len(sent) == 2 and sent[0] == sent[1]
+    finally:
+        fake.stop()
 
 
 @pytest.mark.parametrize("failure", ["engine dead (503)", "front end shutting down", "no answer"])

@@ -21,6 +21,7 @@ class Sample:
     logprobs: list[float]  # log-prob of each sampled token under the (tempered) sampling distribution
     truncated: bool  # stopped by max_tokens rather than by EOS
     prompt_index: int  # index into the prompt list given to `generate`
+    versions: list[int] | None = None  # the policy version that sampled each token (server: vLLM's weight_versions)
 
 
 class EngineStateError(RuntimeError):

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import os
 import shlex
+import time
 import urllib.parse
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +36,7 @@ from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
 from merge.server_health import results_watching_health, start_in_daemon_threads
 
+CONNECTION_ATTEMPTS = 3  # a request whose connection fails is sent again, this many times in all, 1 s apart
 RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
 
 
@@ -56,6 +61,15 @@ def serve_command(url: str, model: str, merge: bool = True) -> str:
     )
 
 
+def connection_failure(error: Exception) -> str:
+    """A requests ConnectionError in a few words: what the connection met."""
+    text = str(error)
+    for words in ("Connection refused", "Connection reset by peer", "Remote end closed connection"):
+        if words in text:
+            return f"ConnectionError: {words.lower()}"
+    return f"ConnectionError: {' '.join(text.split())[-120:]}"
+
+
 def _sampling_json(sampling, seed: int) -> dict:
     """vLLM ``SamplingParams`` -> the JSON of ``/inference/v1/generate`` (the fields the recipe sets)."""
     return dict(
@@ -68,6 +82,18 @@ def _sampling_json(sampling, seed: int) -> dict:
         seed=seed,
         detokenize=False,
     )
+
+
+@dataclass
+class PendingGeneration:
+    """Requests sent to the server (`ServerEngine.send`) whose completions `ServerEngine.receive` collects."""
+
+    prompt_ids: list[list[int]]
+    futures: list[Future]  # each: (response, seconds since the epoch when sent, when answered)
+    request_ids: list[str]
+    sent_version: int  # the weight version the server served when they were sent: no token is older
+    sent_at: float = field(default_factory=time.time)  # seconds since the epoch
+    times: list[tuple[float, float]] = field(default_factory=list)  # per request (sent, answered), once received
 
 
 class ServerEngine:
@@ -85,6 +111,7 @@ class ServerEngine:
         base_on_device: bool = False,
         timeout: float = 600.0,
         server_timeout: float = 60.0,
+        pause_mode: str = "wait",
     ):
         import requests
         from transformers import AutoTokenizer
@@ -99,12 +126,15 @@ class ServerEngine:
         self.server_timeout = server_timeout  # seconds of failed health checks before a wait on the server stops
         self.check_server(self.url, model, merge)
         self.http = requests.Session()
-        self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))  # one connection per thread
+        self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=128))  # a connection per request thread
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.served_name = self._get("/v1/models")["data"][0]["id"]
         self.version: str | None = None  # the weight version the last sync made the server serve
         self.lora_name: str | None = None  # merge=false: the adapter the server serves
         self.transfer = None  # merge=true, rank 0: the lora_merge trainer engine (connects at the first sync)
+        self.pause_mode = pause_mode  # how a sync pauses the server: "wait" (synchronous), "keep" (max_staleness>=1)
+        self.in_flight: set[str] = set()  # ids of this process's requests the server has not answered yet
+        self._request_ids = (f"grpo-{os.getpid()}-{rank}-{n}" for n in itertools.count())
 
     @classmethod
     def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> ServerEngine:
@@ -117,6 +147,7 @@ class ServerEngine:
             precision_stats=cfg.vllm.sync_precision_stats,
             base_on_device=cfg.vllm.server_base_on_device,
             server_timeout=cfg.vllm.server_timeout,
+            pause_mode="keep" if cfg.max_staleness > 0 else "wait",
         )
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
@@ -127,10 +158,19 @@ class ServerEngine:
     def _request(self, method: str, path: str, **kwargs):
         import requests
 
-        try:
-            response = self.http.request(method, f"{self.url}{path}", timeout=self.timeout, **kwargs)
-        except (requests.ConnectionError, requests.Timeout) as error:
-            raise self._gone(f"stopped answering ({type(error).__name__} on {path})") from None
+        for attempt in range(1, CONNECTION_ATTEMPTS + 1):
+            try:
+                response = self.http.request(method, f"{self.url}{path}", timeout=self.timeout, **kwargs)
+                break
+            except requests.ConnectionError as error:
+                # the front end closes a pooled connection idle for 5 s (uvicorn's keep-alive) at times just as a
+                # request reuses it; sent again it samples the same tokens (seeded), and the first one is aborted
+                # with its connection. A server that is gone refuses every attempt.
+                if attempt == CONNECTION_ATTEMPTS:
+                    raise self._gone(f"stopped answering ({connection_failure(error)} on {path})") from None
+                time.sleep(1.0)
+            except requests.Timeout as error:
+                raise self._gone(f"stopped answering ({type(error).__name__} on {path})") from None
         if response.status_code >= 500:  # the server failed (e.g. its engine died): the run cannot go on with it
             text = " ".join(response.text[:300].split())
             raise self._gone(f"failed {method} {path} ({response.status_code}: {text})")
@@ -274,6 +314,7 @@ class ServerEngine:
                 wire_dtype=self.wire_dtype,
                 precision_stats=self.precision_stats,
                 base_on_device=self.base_on_device,
+                pause_mode=self.pause_mode,
             )
         if self.rank != 0:
             self.transfer.send_weights(model)  # the gather is a collective
@@ -315,30 +356,60 @@ class ServerEngine:
         """Sample completions for token-id prompts on the server (one request per prompt, sent together); one
         `Sample` per completion, prompt by prompt. A completion sampled from another weight version than the last
         sync's stops the run, naming both."""
+        return self.receive(self.send(prompt_ids, sampling))
+
+    def send(self, prompt_ids: list[list[int]], sampling) -> PendingGeneration:
+        """Send one request per prompt, now (daemon threads); `receive` collects the completions. The seeds come
+        from the process's RNG here, in the caller's order, as checkpoints save it."""
         if self.version is None:
             raise EngineStateError("generate() before any sync_policy: the server's weights are not the policy's")
-        seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()  # the process's RNG, as checkpoints save it
+        seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
         model = self.lora_name if not self.merge else self.served_name
+        request_ids = [next(self._request_ids) for _ in prompt_ids]
+        self.in_flight.update(request_ids)
 
-        def one(ids, seed):
-            return self._post(
-                "/inference/v1/generate",
-                json=dict(token_ids=ids, model=model, sampling_params=_sampling_json(sampling, seed)),
-            )
+        def one(ids, seed, request_id):
+            sent = time.time()
+            try:
+                response = self._post(
+                    "/inference/v1/generate",
+                    json=dict(
+                        token_ids=ids,
+                        model=model,
+                        request_id=request_id,
+                        sampling_params=_sampling_json(sampling, seed),
+                    ),
+                )
+            finally:
+                self.in_flight.discard(request_id)
+            return response, sent, time.time()
 
-        calls = [functools.partial(one, ids, seed) for ids, seed in zip(prompt_ids, seeds)]
-        responses = self._results_watching_health(start_in_daemon_threads(calls, max_workers=32), "generating")
+        calls = [functools.partial(one, *args) for args in zip(prompt_ids, seeds, request_ids)]
+        futures = start_in_daemon_threads(calls, max_workers=32)
+        return PendingGeneration(prompt_ids, futures, request_ids, int(self.version))
+
+    def receive(self, pending: PendingGeneration) -> list[Sample]:
+        """The completions of `send`'s requests (waiting for them, `server_timeout` on a silent server), each token
+        with the weight version that sampled it. A token sampled by a version neither sent nor synced since stops the
+        run, naming both: the server serves other weights than the trainer's."""
+        replies = self._results_watching_health(pending.futures, "generating")
+        expected = {str(v) for v in range(pending.sent_version, int(self.version) + 1)}
+        pending.times = [(sent, answered) for _, sent, answered in replies]
         samples = []
-        for index, (ids, response) in enumerate(zip(prompt_ids, responses)):
+        for index, (ids, (response, _, _)) in enumerate(zip(pending.prompt_ids, replies)):
             for choice in sorted(response["choices"], key=lambda c: c["index"]):
                 tokens = choice["token_ids"] or []
-                versions = {span["version"] for span in choice.get("weight_versions") or []}
-                if versions != {self.version}:
+                spans = choice.get("weight_versions") or []
+                if not {span["version"] for span in spans} <= expected or (tokens and not spans):
                     raise EngineStateError(
-                        f"a rollout came back sampled from weight version(s) {sorted(versions)}, "
-                        f"not {self.version!r}, the version the last sync pushed: the server "
-                        "serves other weights than the trainer's (another trainer, or a restart)"
+                        f"a rollout came back sampled from weight version(s) "
+                        f"{sorted({span['version'] for span in spans})}, not {sorted(expected, key=int)}, the "
+                        "version(s) this trainer's syncs pushed while it was generated: the server serves other "
+                        "weights than the trainer's (another trainer, or a restart)"
                     )
+                versions = [0] * len(tokens)
+                for span in spans:
+                    versions[span["start"] : span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
                 content = (choice.get("logprobs") or {}).get("content") or []
                 samples.append(
                     Sample(
@@ -348,11 +419,25 @@ class ServerEngine:
                         logprobs=[entry["logprob"] for entry in content],
                         truncated=choice["finish_reason"] == "length",
                         prompt_index=index,
+                        versions=versions,
                     )
                 )
         return samples
 
+    def abort_in_flight(self) -> None:
+        """Ask the server to drop this process's unanswered requests (vLLM names them ``generate-tokens-<id>``);
+        their connections closing at exit would abort them as well (the route is ``with_cancellation``)."""
+        pending = sorted(self.in_flight)
+        if pending:
+            with contextlib.suppress(Exception):
+                self.http.post(
+                    f"{self.url}/inference/v1/abort_requests",
+                    json={"request_ids": [f"generate-tokens-{request_id}" for request_id in pending]},
+                    timeout=10,
+                )
+
     def close(self) -> None:
+        self.abort_in_flight()
         if self.transfer is not None:
             self.transfer.shutdown()
         self.http.close()

@@ -49,13 +49,18 @@ from merge.lora_merge.worker import LoraMergeInitInfo, LoraMergeUpdateInfo
 
 class HTTPPausingWeightSyncClient:
     """vLLM's HTTP weight-sync control plane (`HTTPVLLMWeightSyncClient`), with the one call that changes the served
-    model, ``/finish_weight_update``, between ``/pause`` (mode=wait: requests in flight finish on the previous
-    weights; the prefix cache is cleared) and ``/resume``. Only the merge is paused: a trainer that dies while it
-    gathers or sends the factors leaves the server serving its last complete version, not paused."""
+    model, ``/finish_weight_update``, between ``/pause`` and ``/resume``. ``pause_mode`` is vLLM's: "wait" (requests
+    in flight finish on the previous weights first; the prefix cache is cleared) or "keep" (requests in flight are
+    frozen between two decode steps and continue on the new weights with the KV cache they have: asynchronous
+    rollouts). Only the merge is paused: a trainer that dies while it gathers or sends the factors leaves the server
+    serving its last complete version, not paused."""
 
-    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 600.0, pause_mode: str = "wait") -> None:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
+        if pause_mode not in ("wait", "keep"):
+            raise ValueError(f"{BACKEND}: pause_mode={pause_mode!r} is not one of 'wait', 'keep'")
+        self.pause_mode = pause_mode
         self.http = HTTPVLLMWeightSyncClient(base_url, timeout=timeout)
         self.init_weight_transfer_engine = self.http.init_weight_transfer_engine
         self.start_weight_update = self.http.start_weight_update
@@ -67,7 +72,7 @@ class HTTPPausingWeightSyncClient:
         requests.post(f"{self.http.base_url}{path}", timeout=self.http.timeout, **kwargs).raise_for_status()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._post("/pause", params={"mode": "wait"})
+        self._post("/pause", params={"mode": self.pause_mode})
         self.http.finish_weight_update(weight_version)  # failed: the server stays paused (the workers' reply says
         self._post("/resume")  # whether they serve the previous version again); the next sync resumes it
 
@@ -135,12 +140,15 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         return cls(client=client, init_info=init_info)
 
     @classmethod
-    def connect(cls, url_or_llm, *, rank: int, timeout: float = 600.0, **settings) -> LoraMergeTrainer:
-        """A trainer engine driving the server at a URL through vLLM's HTTP RL routes (`HTTPPausingWeightSyncClient`),
-        or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it. The server's
-        workers reach rank 0 at this machine's address on the route to the server (``master_address`` overrides)."""
+    def connect(
+        cls, url_or_llm, *, rank: int, timeout: float = 600.0, pause_mode: str = "wait", **settings
+    ) -> LoraMergeTrainer:
+        """A trainer engine driving the server at a URL through vLLM's HTTP RL routes (`HTTPPausingWeightSyncClient`,
+        which pauses in ``pause_mode``), or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the
+        same calls on it. The server's workers reach rank 0 at this machine's address on the route to the server
+        (``master_address`` overrides)."""
         if isinstance(url_or_llm, str):
-            client = HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout)
+            client = HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout, pause_mode=pause_mode)
             settings.setdefault("master_address", local_address_towards(urllib.parse.urlparse(url_or_llm).hostname))
         else:
             client = LLMWeightSyncClient(url_or_llm)

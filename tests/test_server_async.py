@@ -1,0 +1,217 @@
+"""Asynchronous rollouts (max_staleness >= 1) against one real ``vllm serve`` with the ``lora_merge`` backend.
+
+An update lands between two decode steps of a request in flight (pause mode "keep"): its tokens come back labelled
+with both versions. The recipe with max_staleness=1, stopped by SIGTERM with requests in flight, leaves no request
+running on the server; resumed, it has one row per step, trained on tokens at most one version behind, and the
+trainer's log-probs under the factors of the version that sampled each completion equal vLLM's (the fidelity
+check). A server that dies stops every rank with one line (the last test: it kills the module's server). Pure parts
+(the refusals, the interval arithmetic) need no server.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+import torch
+from bench_common import serve, wait_until_up
+from recipe_runs import ROOT, launch, launch_command, launch_env, read_lines, read_metrics
+
+from grpo.config import ConfigError, load_config
+from grpo.engines.rollout_queue import union_seconds
+from grpo.policy_versions import PolicyVersions, completion_versions
+
+CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["max_staleness=1"], "needs vllm.mode=server"),
+        (["max_staleness=1", "vllm.mode=server", "lora.merge=false"], "needs lora.merge=true"),
+        (
+            ["max_staleness=2", "vllm.mode=server", "vllm_importance_sampling_correction=false"],
+            "needs vllm_importance_sampling_correction=true",
+        ),
+        (["max_staleness=-1"], "max_staleness=-1 is out of range"),
+    ],
+)
+def test_what_asynchronous_rollouts_need_is_refused_in_one_line(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(CONFIG, overrides)
+    assert load_config(CONFIG, ["max_staleness=1", "vllm.mode=server"]).max_staleness == 1
+
+
+def test_union_seconds_counts_overlaps_once_and_clips_to_the_window():
+    assert union_seconds([(0, 2), (1, 3), (5, 6)], 0, 10) == 4
+    assert union_seconds([(0, 2), (1, 3), (5, 6)], 2.5, 5.5) == 1.0
+    assert union_seconds([], 0, 1) == 0
+
+
+def test_completion_versions_and_policy_versions_swap_back():
+    versions = torch.tensor([[3, 3, 0], [2, 3, 3], [3, 3, 3]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    assert completion_versions(versions, mask).tolist() == [3, -1, 3]
+
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)
+    policies = PolicyVersions(model, keep=1)
+    policies.remember(1)
+    first = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    policies.remember(2)
+    now = model.weight.detach().clone()
+    with policies.serving(1):
+        assert torch.equal(model.weight, first)
+    assert torch.equal(model.weight, now)
+    policies.remember(3)  # keeps the last keep + 1 versions: 2 and 3
+    assert sorted(policies.saved) == [2, 3]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """``vllm serve`` on the embedded model, lora_merge backend, 4 sequences at a time (generation takes long
+    enough for updates to land in flight); yields (process, url, model path)."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = serve(tiny_model, log_path, kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=8192)
+    try:
+        wait_until_up(proc, url, log_path)
+        yield proc, url, tiny_model
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def lora_policy(model_dir: str, seed: int):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model
+
+
+def running_requests(url: str) -> float:
+    """vLLM's gauge of requests being generated (Prometheus text at /metrics)."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+
+
+def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server):
+    """Pause mode "keep": a long request sent under version 1 is frozen for the sync of version 2 and continues on
+    it; its tokens come back labelled 1 then 2 (with mode "wait" the request would finish on version 1 first)."""
+    from merge.lora_merge import LoraMergeTrainer
+
+    _, url, model_dir = server
+    trainer = LoraMergeTrainer.connect(url, rank=0, pause_mode="keep")
+    try:
+        trainer.send_weights(lora_policy(model_dir, seed=1), weight_version="1")
+        reply = {}
+
+        def long_request():
+            sampling = dict(max_tokens=200, temperature=1.0, seed=0, ignore_eos=True, logprobs=0, detokenize=False)
+            body = dict(token_ids=[1, 2, 3], model=model_dir, sampling_params=sampling)
+            reply.update(requests.post(f"{url}/inference/v1/generate", json=body, timeout=300).json())
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        deadline = time.time() + 60
+        while running_requests(url) < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        trainer.send_weights(lora_policy(model_dir, seed=2), weight_version="2")
+        thread.join(timeout=300)
+    finally:
+        trainer.shutdown()
+    [choice] = reply["choices"]
+    spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
+    assert [v for v, _, _ in spans] == ["1", "2"] and spans[0][1] == 0 and spans[-1][2] == 200, spans
+    assert 0 < spans[0][2] == spans[1][1] < 200, spans
+    assert len(choice["logprobs"]["content"]) == 200
+
+
+def test_max_staleness_1_stops_cleanly_on_sigterm_and_resumes_with_exact_fidelity(server, tmp_path):
+    """A run with max_staleness=1 stopped by SIGTERM with requests in flight: one line saying how to resume, no
+    request left running on the server. Resumed, it ends with one row per rollout step; every step trained on tokens
+    at most one version behind (steps after the first: some one behind), and vLLM's log-probs equal the trainer's
+    under the weights that sampled them, stale tokens included (<= 1e-6, fp32)."""
+    _, url, model_dir = server
+    overrides = ["vllm.mode=server", f"vllm.server_url={url}", "max_staleness=1", "save_steps=2"]
+    log = tmp_path / "interrupted.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            launch_command(tmp_path, model_dir, *overrides, "max_steps=40"),
+            cwd=ROOT,
+            env=launch_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.time() + 600
+        while len(read_metrics(tmp_path)) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+    text = log.read_text()
+    assert proc.returncode != 0 and "stopped by SIGTERM" in text and "resume_from_checkpoint=" in text, text[-5000:]
+    deadline = time.time() + 30  # the requests it had sent are aborted, not left generating
+    while running_requests(url) and time.time() < deadline:
+        time.sleep(0.5)
+    assert running_requests(url) == 0
+
+    resumed, metrics = launch(tmp_path, model_dir, *overrides, "max_steps=12", "resume_from=last")
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    first = int(re.search(r"continuing at rollout step (\d+)", resumed.stderr).group(1))
+    assert [m["rollout_step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    lines = read_lines(tmp_path)
+    assert len(lines) == len({json.dumps(line, sort_keys=True) for line in lines})
+    # nothing queued at a start: the first step of each process samples on its own version; later ones lag by one
+    fresh = {1, first}
+    assert [m["staleness_max"] for m in metrics] == [0 if m["rollout_step"] in fresh else 1 for m in metrics]
+    assert all(m["stale_completions"] > 0 for m in metrics if m["rollout_step"] not in fresh)
+    assert all(m["fidelity_tokens"] > 0 and m["rollout_logprob_diff_mean"] <= 1e-6 for m in metrics), metrics
+    assert all("is_ratio_mean" in m and "rollout_wait_s" in m and "server_idle_s" in m for m in metrics)
+    timeline = [json.loads(line) for line in (tmp_path / "run" / "timeline.jsonl").read_text().splitlines()]
+    assert [t["rollout_step"] for t in timeline] == [1, 2, 3, 4, 5, 6]
+    assert all(set(t["trainer"]) == {"sync", "rollout", "update"} and t["server"] for t in timeline)
+
+
+def test_a_server_that_dies_mid_run_stops_every_rank_with_one_line(server, tmp_path):
+    """The module's last test: it kills the shared server (its API server, engine and workers)."""
+    server_proc, url, model_dir = server
+    out, log = tmp_path / "run-out", tmp_path / "run.log"
+    overrides = ["vllm.mode=server", f"vllm.server_url={url}", "max_staleness=1", "vllm.server_timeout=5"]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            launch_command(out, model_dir, *overrides, "max_steps=40"),
+            cwd=ROOT,
+            env=launch_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.time() + 600
+        while not read_metrics(out) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        for child in psutil.Process(server_proc.pid).children(recursive=True):
+            child.kill()
+        server_proc.kill()
+        server_proc.wait(timeout=60)
+        proc.wait(timeout=300)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("error: the vLLM server at")]
+    assert proc.returncode != 0 and len(lines) == 2, text[-5000:]  # one line from each rank
+    assert all(url in line and "resume_from_checkpoint=last" in line for line in lines), lines
