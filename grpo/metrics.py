@@ -177,4 +177,3 @@ def busy_fractions(lines: list[dict]) -> dict:
         trainer_busy=trainer / (end - start),
         server_busy=server / (end - start),
     )
-

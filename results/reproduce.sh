@@ -12,7 +12,7 @@ tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml output_dir
 # <run_name>-2 instead of replacing it.
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
        results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-* results/tiny-cpu-server \
-       results/trl-tiny-cpu-server
+       results/trl-tiny-cpu-server results/tiny-cpu-server-async*
 "${launch[@]}" "${tiny[@]}"                                    # README's main command, written into results/
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
@@ -38,6 +38,16 @@ serve_tiny() {  # $1: the server's dtype, $2: its log's name; the server's pid i
 }
 serve_tiny float32 tiny-cpu-server
 "${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 run_name=tiny-cpu-server
+# asynchronous rollouts (docs/async.md): the same run, the server generating up to 1 and 2 rollout steps ahead,
+# with TRL's default correction (sequence_mask) and with AReaL's per-token truncated weights (token_truncate)
+for staleness in 1 2; do
+  "${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 max_staleness=$staleness \
+      run_name=tiny-cpu-server-async$staleness
+done
+for staleness in 1 2; do
+  "${launch[@]}" "${tiny[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 max_staleness=$staleness \
+      vllm_importance_sampling_mode=token_truncate run_name=tiny-cpu-server-async$staleness-token-truncate
+done
 kill $server; wait $server || true
 serve_tiny bfloat16 bf16-server
 "${launch[@]}" "${tiny[@]}" model.dtype=bfloat16 max_steps=80 output_dir=results/precision run_name=bf16-server \
@@ -57,6 +67,11 @@ kill $server; wait $server || true
 .venv/bin/python bench/bench_rollout.py --sizes tiny small tiny-moe --out results/bench_rollout.json
 .venv/bin/python bench/bench_sync.py --out results/bench_sync.json
 .venv/bin/python bench/plot_bench.py results/bench_rollout.json results/bench_sync.json --out results/bench.png
+.venv/bin/python recipes/plot_metrics.py results/tiny-cpu-server results/tiny-cpu-server-async{1,2} \
+    results/tiny-cpu-server-async{1,2}-token-truncate --out results/grpo_async.png
+.venv/bin/python bench/bench_async.py --out results/bench_async.json --timelines results/bench_async_timelines
+.venv/bin/python recipes/plot_timeline.py results/bench_async_timelines/staleness{0,1,2} --steps 5 8 \
+    --out results/timeline_async.png
 # packed_sdpa (the default) against transformers' sdpa with its block-diagonal mask, one run after the other
 "${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null run_name=tiny-cpu-attn-packed
 "${launch[@]}" "${tiny[@]}" max_steps=48 eval_steps=null model.attn_implementation=sdpa run_name=tiny-cpu-attn-sdpa
