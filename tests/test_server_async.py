@@ -105,10 +105,10 @@ def lora_policy(model_dir: str, seed: int):
     return model
 
 
-def running_requests(url: str) -> float:
-    """vLLM's gauge of requests being generated (Prometheus text at /metrics)."""
+def running_requests(url: str, gauge: str = "vllm:num_requests_running") -> float:
+    """vLLM's gauge of requests being generated (or of those waiting: ``vllm:num_requests_waiting``), from /metrics."""
     text = requests.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(gauge + "{"))
 
 
 def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server):
@@ -141,6 +141,31 @@ def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server):
     assert [v for v, _, _ in spans] == ["1", "2"] and spans[0][1] == 0 and spans[-1][2] == 200, spans
     assert 0 < spans[0][2] == spans[1][1] < 200, spans
     assert len(choice["logprobs"]["content"]) == 200
+
+
+def test_abort_in_flight_drops_this_engines_requests_on_the_server(server):
+    """`ServerEngine.abort_in_flight` (what close() does first) names the requests as vLLM 0.32 does
+    (``generate-tokens-<id>``): the server drops them at once, running and queued alike."""
+    from vllm import SamplingParams
+
+    from grpo.engines.server import ServerEngine
+
+    _, url, model_dir = server
+    engine = ServerEngine(url, model_dir)
+    engine.version = "0"
+    # 64 requests, 4 at a time: about 16 s of generation left to do when the abort comes
+    pending = engine.send([[1, 2, 3]] * 64, SamplingParams(n=1, max_tokens=200, logprobs=0))
+    deadline = time.time() + 60
+    while running_requests(url, "vllm:num_requests_waiting") < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert running_requests(url) >= 1 and engine.in_flight  # 4 at a time: the rest wait in the server's queue
+    engine.abort_in_flight()
+    deadline = time.time() + 8  # answered because aborted: generating them would take twice that or more
+    while not all(future.done() for future in pending.futures) and time.time() < deadline:
+        time.sleep(0.1)
+    assert running_requests(url) == 0 and running_requests(url, "vllm:num_requests_waiting") == 0
+    assert all(future.done() for future in pending.futures) and not engine.in_flight
+    engine.close()
 
 
 def test_max_staleness_1_stops_cleanly_on_sigterm_and_resumes_with_exact_fidelity(server, tmp_path):
