@@ -431,14 +431,6 @@ def setup(cfg: RecipeConfig) -> Run:
     loss_scale = DynamicLossScale(enabled=compute_dtype == torch.float16)
     loss_scale.load_state_dict(resumed_state.get("loss_scale"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # a resumed run starts with nothing queued: its first rollout steps are sampled by the checkpoint's policy
-    rollouts = RolloutQueue(
-        engine,
-        lambda step: [row["prompt_ids"] for row in rollout_rows(problems, cfg.prompts_per_rank, rank, world, step)],
-        rollout_sampling(cfg),
-        cfg.max_staleness,
-        num_rollout_steps,
-    )
     return Run(
         cfg=cfg,
         rank=rank,
@@ -460,10 +452,24 @@ def setup(cfg: RecipeConfig) -> Run:
         resumed_rollout_step=resumed,
         last_checkpoint=resume,
         guard=LogprobGuard(cfg, resumed_state.get("logprob_diff_baseline")),
-        rollouts=rollouts,
+        # a resumed run starts with nothing queued: its first rollout steps are sampled by the checkpoint's policy
+        rollouts=rollout_queue(cfg, engine, problems, rank, world, num_rollout_steps),
         timeline=Timeline(run_dir, enabled=cfg.vllm.mode == "server"),
         policies=PolicyVersions(model, keep=cfg.max_staleness) if cfg.max_staleness > 0 else None,
         loss_scale=loss_scale,
+    )
+
+
+def rollout_queue(
+    cfg: RecipeConfig, engine: Engine, problems: list[dict], rank: int, world: int, num_rollout_steps: int
+) -> RolloutQueue:
+    """The queue of this rank's rollout requests (`grpo.engines.rollout_queue`), max_staleness steps ahead."""
+    return RolloutQueue(
+        engine,
+        lambda step: [row["prompt_ids"] for row in rollout_rows(problems, cfg.prompts_per_rank, rank, world, step)],
+        rollout_sampling(cfg),
+        cfg.max_staleness,
+        num_rollout_steps,
     )
 
 

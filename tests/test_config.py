@@ -17,7 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_top_level_fields_are_trl_grpo_config_names():
-    trl_names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    """TRL's GRPOConfig names, and AsyncGRPOConfig's for the asynchronous rollouts (max_staleness)."""
+    from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
+
+    trl_names = {f.name for f in dataclasses.fields(trl.GRPOConfig)} | {"max_staleness"}
+    assert "max_staleness" in {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     sections = {"model", "data", "lora", "vllm", "padding"}
     ours = {f.name for f in dataclasses.fields(RecipeConfig)} - sections - {"reward_funcs"}  # GRPOTrainer's argument
     assert ours <= trl_names, ours - trl_names
@@ -109,6 +113,7 @@ BAD_VALUES = {
     "per_device_train_batch_size": "0",
     "steps_per_generation": "0",
     "num_iterations": "0",
+    "max_staleness": "-1",
     "num_generations": "1",
     "max_completion_length": "0",
     "temperature": "0",

@@ -188,7 +188,8 @@ class SleepContractLLM:
 def contract_run(tmp_path, overrides: list[str]):
     """A `Run` of the recipe around an engine on `SleepContractLLM` (sleep mode as on a GPU) and a tiny policy."""
     from grpo.faults import LogprobGuard
-    from grpo.run import Run
+    from grpo.metrics import Timeline
+    from grpo.run import Run, rollout_queue
     from grpo.trackers import Trackers
 
     cfg = load_config(
@@ -219,6 +220,8 @@ def contract_run(tmp_path, overrides: list[str]):
         num_rollout_steps=4,
         resumed_rollout_step=0,
         guard=LogprobGuard(cfg),
+        rollouts=rollout_queue(cfg, engine, problems, rank=0, world=1, num_rollout_steps=4),
+        timeline=Timeline(tmp_path, enabled=False),
     )
 
 
