@@ -90,7 +90,6 @@ class PendingGeneration:
 
     prompt_ids: list[list[int]]
     futures: list[Future]  # each: (response, seconds since the epoch when sent, when answered)
-    request_ids: list[str]
     sent_version: int  # the weight version the server served when they were sent: no token is older
     sent_at: float = field(default_factory=time.time)  # seconds since the epoch
     times: list[tuple[float, float]] = field(default_factory=list)  # per request (sent, answered), once received
@@ -386,7 +385,7 @@ class ServerEngine:
 
         calls = [functools.partial(one, *args) for args in zip(prompt_ids, seeds, request_ids)]
         futures = start_in_daemon_threads(calls, max_workers=32)
-        return PendingGeneration(prompt_ids, futures, request_ids, int(self.version))
+        return PendingGeneration(prompt_ids, futures, int(self.version))
 
     def receive(self, pending: PendingGeneration) -> list[Sample]:
         """The completions of `send`'s requests (waiting for them, `server_timeout` on a silent server), each token
