@@ -68,8 +68,9 @@ class ModelSettings:
     )
     build_tiny: str | None = setting(
         None,
-        "build the embedded default of this size into name_or_path if absent",
-        choices=("tiny", "small", "tiny-moe"),
+        "build the embedded default of this size into name_or_path if absent (tiny-tools: the tool-use task's "
+        "model, grpo/tiny_tools.py)",
+        choices=("tiny", "small", "tiny-moe", "tiny-tools"),
     )
     build_seed: int = setting(0, "seed of the embedded default's build", range=">= 0")
 
@@ -209,6 +210,21 @@ class PaddingSettings:
 
 
 @dataclass
+class ToolCallingSettings:
+    """How the recipe runs the tools of a multi-turn episode (`tools`; grpo/tools.py)."""
+
+    timeout_s: float = setting(10.0, "seconds a tool call may take; then the model gets an error result", range="> 0")
+    max_output_chars: int = setting(
+        2000, "a tool result longer than this is replaced by an error result (the context is finite)", range=">= 1"
+    )
+    retokenize: bool = setting(
+        False,
+        "the wrong rule: train on the conversation re-rendered by the chat template and tokenized again instead "
+        "of the sampled ids (the engine's log-probs kept by position); for the comparison plots only",
+    )
+
+
+@dataclass
 class RecipeConfig:
     # --- TRL GRPOConfig names ---
     output_dir: str = setting("runs", "the run writes into <output_dir>/<run_name>/", range="a non-empty path")
@@ -307,12 +323,25 @@ class RecipeConfig:
         range="a non-empty list of 'module:function'",
         check=lambda v: all(":" in f for f in v),
     )
+    tools: list[str] | None = setting(
+        None,
+        "GRPOTrainer's tools, as 'module:function' (a JSON schema from each one's type hints and docstring): "
+        "multi-turn episodes, token in / token out (grpo/tools.py, docs/tools.md)",
+        range="a non-empty list of 'module:function' or null",
+        check=lambda v: all(":" in f for f in v),
+    )
+    max_tool_calling_iterations: int | None = setting(
+        None,
+        "tool-calling rounds per episode; null: until a turn calls no tool or max_completion_length is reached",
+        range=">= 1 or null (no limit)",
+    )
     # --- sections ---
     model: ModelSettings = section(ModelSettings, "the base model")
     data: DataSettings = section(DataSettings, "the prompts")
     lora: LoraSettings = section(LoraSettings, "the adapter (peft LoraConfig names) and the merge mode")
     vllm: VLLMSettings = section(VLLMSettings, "the rollout engine: colocated, or a separate server")
     padding: PaddingSettings = section(PaddingSettings, "the packed log-probs")
+    tool_calling: ToolCallingSettings = section(ToolCallingSettings, "how tools run (with `tools`)")
 
     @property
     def prompts_per_rank(self) -> int:
@@ -360,6 +389,10 @@ class RecipeConfig:
             )
         if self.max_staleness > 0:
             self.check_asynchronous()
+        if self.tools:
+            self.check_tools()
+        elif self.tool_calling.retokenize:
+            raise ConfigError("tool_calling.retokenize=True compares multi-turn tool episodes: set tools as well")
         if not self.lora.merge:
             limit = self.vllm.max_lora_rank or self.lora.r
             if self.lora.r > limit or self.lora.r > VLLM_LORA_RANKS[-1]:
@@ -396,6 +429,19 @@ class RecipeConfig:
             raise ConfigError(
                 f"{why} needs vllm_importance_sampling_correction=true: stale tokens are weighed by trainer-over-"
                 "vLLM probability (decoupled PPO); without it the update would treat them as on-policy"
+            )
+
+    def check_tools(self) -> None:
+        """Tools are described to the model by the chat template, and (for now) run synchronously."""
+        if not self.data.use_chat_template:
+            raise ConfigError(
+                f"tools={self.tools} needs data.use_chat_template=true: the chat template describes the tools to the "
+                "model and renders their results"
+            )
+        if self.max_staleness > 0:
+            raise ConfigError(
+                f"tools={self.tools} with max_staleness={self.max_staleness}: multi-turn episodes run synchronously "
+                "(max_staleness=0)"
             )
 
 

@@ -63,10 +63,12 @@ def check_reward_columns(cfg: RecipeConfig, reward_funcs: list, problems: list[d
 def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
     """The rows of data.split (or ``split``) as dicts: the generated problems, a local file/folder, or a hub dataset."""
     split = split or cfg.data.split
-    if cfg.data.name == "generated":
+    if cfg.data.name in ("generated", "generated-tools"):
         from grpo.tiny_gsm8k import make_problems
+        from grpo.tiny_tools import make_tool_problems
 
-        return make_problems(cfg.data.num_generated, seed=cfg.seed if split == cfg.data.split else cfg.seed + 1)
+        make = make_problems if cfg.data.name == "generated" else make_tool_problems
+        return make(cfg.data.num_generated, seed=cfg.seed if split == cfg.data.split else cfg.seed + 1)
     from datasets import load_dataset
 
     local = Path(cfg.data.name)
@@ -84,22 +86,26 @@ def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
     return [dict(row) for row in data]
 
 
-def held_out_problems(cfg: RecipeConfig, tokenizer, train: list[dict]) -> list[dict]:
+def held_out_problems(cfg: RecipeConfig, tokenizer, train: list[dict], tools: list | None = None) -> list[dict]:
     """Up to data.num_eval tokenized rows of data.eval_split that are not training prompts (for eval_steps)."""
     if cfg.eval_steps is None:
         return []
     if cfg.data.eval_split is None:
         raise ConfigError("eval_steps is set but data.eval_split is null: name a held-out split")
     seen = {row["prompt"] for row in train}
-    rows = tokenize_prompts(cfg, tokenizer, load_problems(cfg, split=cfg.data.eval_split), what="held-out prompt")
+    held_out = load_problems(cfg, split=cfg.data.eval_split)
+    rows = tokenize_prompts(cfg, tokenizer, held_out, what="held-out prompt", tools=tools)
     held_out = [row for row in rows if row["prompt"] not in seen][: cfg.data.num_eval]
     if not held_out:
         raise ConfigError(f"data.eval_split={cfg.data.eval_split!r} has no prompt that is not also a training prompt")
     return held_out
 
 
-def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict], what: str = "prompt") -> list[dict]:
-    """Add `prompt` (text) and `prompt_ids`; drop empty or over-long prompts with a counted warning."""
+def tokenize_prompts(
+    cfg: RecipeConfig, tokenizer, problems: list[dict], what: str = "prompt", tools: list | None = None
+) -> list[dict]:
+    """Add `prompt` (text) and `prompt_ids`; drop empty or over-long prompts with a counted warning. With
+    ``tools`` (functions), the chat template describes them to the model."""
     kept, empty, too_long = [], 0, 0
     for row in problems:
         try:
@@ -113,7 +119,7 @@ def tokenize_prompts(cfg: RecipeConfig, tokenizer, problems: list[dict], what: s
             messages = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
             messages.append({"role": "user", "content": text})
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True, enable_thinking=False
             )
             ids = tokenizer(text, add_special_tokens=False).input_ids
         else:
@@ -168,7 +174,11 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Ten
 
 def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Left-padded prompts + right-padded responses -> input_ids/attention_mask [N, P+R], response_mask, the
-    engine's log-probs and (server) the policy version of each token [N, R], truncated [N]."""
+    engine's log-probs and (server) the policy version of each token [N, R], truncated [N].
+
+    Multi-turn episodes (`grpo.tools`): the response holds every token after the prompt, and response_mask is 0 on
+    the tool tokens inside it (TRL's tool_mask), so the log-probs, the loss and the KL skip them; `turn_of_token`
+    [N, R] says which model turn sampled each token."""
     width_p = max(len(s.prompt_ids) for s in samples)
     width_r = max(1, max(len(s.completion_ids) for s in samples))
     n = len(samples)
@@ -176,6 +186,9 @@ def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Te
     attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)
     vllm_logprobs = torch.zeros((n, width_r))
     versions = torch.zeros((n, width_r), dtype=torch.long) if samples[0].versions is not None else None
+    multi_turn = samples[0].tool_mask is not None
+    tool_mask = torch.zeros((n, width_r), dtype=torch.long)
+    turn_of_token = torch.zeros((n, width_r), dtype=torch.long)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.completion_ids)
         input_ids[i, width_p - p : width_p] = torch.tensor(s.prompt_ids)
@@ -184,7 +197,12 @@ def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Te
         vllm_logprobs[i, :r] = torch.tensor(s.logprobs)
         if versions is not None:
             versions[i, :r] = torch.tensor(s.versions, dtype=torch.long)
+        if multi_turn:
+            tool_mask[i, :r] = torch.tensor(s.tool_mask, dtype=torch.long)
+            turn_of_token[i, :r] = torch.tensor(s.turn_of_token, dtype=torch.long)
     response_mask = attention_mask[:, width_p:].clone()
+    if multi_turn:
+        response_mask *= tool_mask
     batch = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -194,6 +212,8 @@ def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Te
     )
     if versions is not None:  # the policy version that sampled each token (a server's rollouts)
         batch["versions"] = versions
+    if multi_turn:
+        batch["turn_of_token"] = turn_of_token
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -203,7 +223,7 @@ def select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tenso
     width_r = batch["response_mask"].shape[1]
     width_p = batch["attention_mask"].shape[1] - width_r
     prompt_used = sub["attention_mask"][:, :width_p].sum(1).max().item()
-    response_used = max(1, sub["response_mask"].sum(1).max().item())
+    response_used = max(1, sub["attention_mask"][:, width_p:].sum(1).max().item())  # tool tokens included
     cols = slice(width_p - prompt_used, width_p + response_used)
     for key in ("input_ids", "attention_mask"):
         sub[key] = sub[key][:, cols]

@@ -89,8 +89,9 @@ class LogprobGuard:
     def limit(self) -> float:
         return max(self.floor, self.BASELINE_MULTIPLE * self.baseline)
 
-    def check(self, rollout_step: int, diff: float) -> None:
-        """Raise if ``diff`` (this rollout step's mean |vLLM - trainer|) says the engine left the trainer."""
+    def check(self, rollout_step: int, diff: float, turns: dict[str, float] | None = None) -> None:
+        """Raise if ``diff`` (this rollout step's mean |vLLM - trainer|), or the same figure on the model tokens of one
+        turn of multi-turn episodes (``turns``: rollout_logprob_diff_turn1, ...), says the engine left the trainer."""
         if self.baseline is None:
             if diff > self.ceiling:
                 raise RuntimeError(
@@ -105,9 +106,10 @@ class LogprobGuard:
                 rollout_step,
                 self.limit,
             )
+        name, diff = max([("rollout_logprob_diff_mean", diff), *(turns or {}).items()], key=lambda item: item[1])
         if diff > self.limit:
             raise RuntimeError(
-                f"rollout step {rollout_step}: rollout_logprob_diff_mean={diff:.3g} exceeds the guard's limit "
+                f"rollout step {rollout_step}: {name}={diff:.3g} exceeds the guard's limit "
                 f"{self.limit:.3g} (the larger of vllm.max_logprob_diff={self.floor:g} and {self.BASELINE_MULTIPLE}x "
                 f"the first step's baseline {self.baseline:.3g}): vLLM is not serving the trainer's weights (a broken "
                 "or skipped weight sync); stopping instead of training on stale rollouts. (If the sync works and "

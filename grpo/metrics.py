@@ -38,6 +38,8 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
         **phases,
         **update_stats,
     )
+    if "turn_of_token" in batch:  # multi-turn episodes: the same figures on the model tokens of each turn
+        local.update(per_turn_statistics(batch, mask))
     kinds = {"sums": {}, "mins": {}, "maxs": {}}
     for name, value in local.items():
         # phase times: the slowest rank's; the sync's figures (precision, bytes) are the same on every rank
@@ -49,6 +51,55 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
         kinds[op + "s"][name] = value
     kinds["maxs"]["peak_mem_gb"] = peak_mem_gb(device)
     return reduce_across_ranks(**kinds)
+
+
+def per_turn_statistics(batch: dict, mask: torch.Tensor) -> dict:
+    """|vLLM - trainer| and the trainer-over-vLLM probability ratio on the model tokens of turn 1, 2 and 3+."""
+    from grpo.tools import turn_masks
+
+    gap = batch["vllm_logprobs"] - batch.get("fidelity_logprobs", batch["old_logprobs"])
+    stats = {}
+    for name, turn_mask in turn_masks(batch, mask).items():
+        diff, ratio = gap.abs()[turn_mask], torch.exp(-gap[turn_mask].double())
+        stats.update(
+            {
+                f"logprob_diff_{name}_sum": diff.sum().item(),
+                f"logprob_diff_{name}_count": float(diff.numel()),
+                f"logprob_diff_{name}_max": diff.max().item() if diff.numel() else 0.0,
+                f"is_ratio_{name}_sum": ratio.sum().item(),
+                f"is_ratio_{name}_min": ratio.min().item() if ratio.numel() else 1.0,
+                f"is_ratio_{name}_max": ratio.max().item() if ratio.numel() else 1.0,
+            }
+        )
+    return stats
+
+
+def tool_metrics(total: dict) -> dict:
+    """Multi-turn episodes' metrics (TRL's `tools/*` names where TRL has them), from the rank-summed statistics."""
+    episodes, calls = max(1.0, total["tool_episodes"]), total["tool_calls"]
+    metrics = {
+        "tools/call_frequency": calls / episodes,  # TRL's: tool calls per episode
+        "tools/failure_frequency": total["tool_failures"] / calls if calls else 0.0,  # TRL's: failed / calls
+        "tools/success_frequency": (calls - total["tool_failures"]) / calls if calls else 0.0,
+        "tools/calling_episodes": total["tool_episodes_calling"] / episodes,
+        "tools/succeeding_episodes": total["tool_episodes_succeeding"] / episodes,
+        "tools/turns_per_episode": total["tool_turns"] / episodes,
+        "retokenization_drift": total["tool_drifted"] / episodes,
+    }
+    for name in ("turn1", "turn2", "turn3plus"):
+        count = total.get(f"logprob_diff_{name}_count", 0.0)
+        if count:
+            metrics.update(
+                {
+                    f"rollout_logprob_diff_{name}": total[f"logprob_diff_{name}_sum"] / count,
+                    f"rollout_logprob_diff_{name}_max": total[f"logprob_diff_{name}_max"],
+                    f"is_ratio_{name}": total[f"is_ratio_{name}_sum"] / count,
+                    f"is_ratio_{name}_min": total[f"is_ratio_{name}_min"],
+                    f"is_ratio_{name}_max": total[f"is_ratio_{name}_max"],
+                    f"model_tokens_{name}": int(count),
+                }
+            )
+    return metrics
 
 
 def step_metrics(
@@ -111,6 +162,8 @@ def step_metrics(
         metrics.update(rollout_wait_s=total["rollout_wait_s"], server_idle_s=total["server_idle_s"])
     if "sync_changed_trainer" in total:
         metrics["sync_changed_trainer"] = int(total["sync_changed_trainer"])
+    if "tool_episodes" in total:
+        metrics.update(tool_metrics(total))
     return metrics
 
 

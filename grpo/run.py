@@ -46,6 +46,7 @@ from grpo.parallel import (
     init_distributed,
 )
 from grpo.policy_versions import PolicyVersions
+from grpo.tools import ToolEngine, load_tools
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
@@ -222,10 +223,15 @@ def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
     if cfg.model.build_tiny:
         from grpo.tiny_gsm8k import build_tiny_model
+        from grpo.tiny_tools import build_tool_model
 
         # rank 0 builds; the others wait for its files rather than in a collective, whose timeout (30 min on gloo) a
         # build on a loaded machine can outlast (should rank 0 fail, the launcher ends them)
-        build_tiny_model(cfg.model.name_or_path, size=cfg.model.build_tiny, seed=cfg.model.build_seed, build=rank == 0)
+        if cfg.model.build_tiny == "tiny-tools":
+            build_tool_model(cfg.model.name_or_path, seed=cfg.model.build_seed, build=rank == 0)
+        else:
+            size = cfg.model.build_tiny
+            build_tiny_model(cfg.model.name_or_path, size=size, seed=cfg.model.build_seed, build=rank == 0)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
     name = cfg.model.name_or_path
@@ -370,6 +376,7 @@ def setup(cfg: RecipeConfig) -> Run:
         )
     rank, world, device = init_distributed()
     check_paths(cfg, rank)
+    tools = load_tools(cfg.tools)  # a tool that cannot be imported or described: refused before any work
     # refuses what the engine cannot do here (or a server that is not there), before any work
     start_engine = prepare_engine(cfg, rank=rank, world=world, device_type=device.type)
     named_dir = Path(cfg.output_dir) / cfg.run_name
@@ -410,9 +417,9 @@ def setup(cfg: RecipeConfig) -> Run:
     check_reward_columns(cfg, list(reward_funcs.values()), problems)
     check_memory(cfg, model_config, world, device, fsdp)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
-    problems = tokenize_prompts(cfg, tokenizer, problems)
+    problems = tokenize_prompts(cfg, tokenizer, problems, tools=tools)
     random.Random(cfg.seed).shuffle(problems)
-    eval_problems = held_out_problems(cfg, tokenizer, problems)
+    eval_problems = held_out_problems(cfg, tokenizer, problems, tools)
 
     model, compute_dtype = build_policy(cfg, device, rank, world, fsdp)
     optimizer = torch.optim.AdamW(
@@ -424,7 +431,7 @@ def setup(cfg: RecipeConfig) -> Run:
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_rollout_steps * updates_per_rollout))
-    engine = start_engine()
+    engine = ToolEngine(start_engine(), tokenizer, tools, cfg) if tools else start_engine()  # multi-turn episodes
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
         load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
         log.info("resumed from %s: continuing at rollout step %d of %d", resume, resumed + 1, num_rollout_steps)

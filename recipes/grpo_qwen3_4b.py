@@ -100,6 +100,7 @@ from grpo.metrics import params_digest, reduce_statistics, step_metrics, write_m
 from grpo.parallel import gather_across_ranks, reduce_across_ranks
 from grpo.policy_versions import sampler_log_probs
 from grpo.run import Run, setup
+from grpo.tools import tool_stats
 from padding import packed_log_probs
 
 log = logging.getLogger("grpo")
@@ -142,8 +143,8 @@ def rollout(run: Run, rollout_step: int):
     staleness >= 1) sent up to max_staleness syncs ago. Returns (rows, samples, metrics)."""
     t0 = time.perf_counter()
     samples, queue_metrics = run.rollouts.take(rollout_step, use_tqdm=run.rank == 0)
-    tokens = sum(len(s.completion_ids) for s in samples)
-    metrics = dict(rollout_s=time.perf_counter() - t0, rollout_tokens=tokens, **queue_metrics)
+    tokens = sum(len(s.completion_ids) if s.tool_mask is None else sum(s.tool_mask) for s in samples)  # sampled ones
+    metrics = dict(rollout_s=time.perf_counter() - t0, rollout_tokens=tokens, **queue_metrics, **tool_stats(samples))
     return run.prompts_for(rollout_step), samples, metrics
 
 
@@ -349,6 +350,9 @@ def evaluate(run: Run, rollout_steps_done: int) -> dict:
         rewards = score(run.reward_funcs, rows, samples)[0] if rows else torch.zeros(0)
         sums[f"{mode}_reward_sum"] = rewards.nansum().item()
         sums[f"{mode}_tokens"] = sum(len(s.completion_ids) for s in samples)
+        if run.cfg.tools:  # episodes that called a tool, and that got at least one result back
+            sums[f"{mode}_calling"] = sum(s.tool_calls > 0 for s in samples)
+            sums[f"{mode}_succeeding"] = sum(s.tool_calls > s.tool_failures for s in samples)
     total = reduce_across_ranks(sums=sums)
     n = max(1.0, total["problems"])
     metrics = dict(
@@ -359,6 +363,10 @@ def evaluate(run: Run, rollout_steps_done: int) -> dict:
         eval_reward_sampled=total["sampled_reward_sum"] / n,
         eval_completion_tokens_greedy=total["greedy_tokens"] / n,
     )
+    if cfg.tools:
+        for mode in modes:
+            metrics[f"eval_tool_calling_{mode}"] = total[f"{mode}_calling"] / n
+            metrics[f"eval_tool_success_{mode}"] = total[f"{mode}_succeeding"] / n
     write_metrics(metrics, run.run_dir, run.trackers, run.rank)
     log.info(
         "eval after rollout step %d (optimizer step %d): held-out reward greedy %.3f, sampled %.3f (%d problems)",
@@ -457,7 +465,9 @@ def main(cfg: RecipeConfig) -> None:
 
         metrics = log_metrics(run, rollout_step, rewards, batch, phases, update_stats, t_step)
         run.timeline.write(rollout_step, run.rollouts.answered, run.rank)
-        run.guard.check(rollout_step, metrics["rollout_logprob_diff_mean"])
+        if not run.cfg.tool_calling.retokenize:  # that comparison trains on ids the engine never scored
+            turns = {k: v for k, v in metrics.items() if k.startswith("rollout_logprob_diff_turn") and "max" not in k}
+            run.guard.check(rollout_step, metrics["rollout_logprob_diff_mean"], turns)
         signum = stop.agreed()
         if signum or run.save_due(rollout_step):
             save(run, rollout_step)

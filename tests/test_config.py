@@ -22,8 +22,9 @@ def test_top_level_fields_are_trl_grpo_config_names():
 
     trl_names = {f.name for f in dataclasses.fields(trl.GRPOConfig)} | {"max_staleness"}
     assert "max_staleness" in {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
-    sections = {"model", "data", "lora", "vllm", "padding"}
-    ours = {f.name for f in dataclasses.fields(RecipeConfig)} - sections - {"reward_funcs"}  # GRPOTrainer's argument
+    sections = {"model", "data", "lora", "vllm", "padding", "tool_calling"}
+    trainer_arguments = {"reward_funcs", "tools"}  # GRPOTrainer's arguments
+    ours = {f.name for f in dataclasses.fields(RecipeConfig)} - sections - trainer_arguments
     assert ours <= trl_names, ours - trl_names
 
 
@@ -141,6 +142,8 @@ BAD_VALUES = {
     "save_total_limit": "0",
     "resume_from_checkpoint": '""',
     "reward_funcs": "[no_colon]",
+    "tools": "[no_colon]",
+    "max_tool_calling_iterations": "0",
     "model.name_or_path": '""',
     "model.dtype": "float64",
     "model.attn_implementation": "flash",
@@ -185,13 +188,16 @@ BAD_VALUES = {
     "vllm.sync": "maybe",
     "padding.legacy_slice": "maybe",
     "padding.logprob_chunk_size": "0",
+    "tool_calling.timeout_s": "0",
+    "tool_calling.max_output_chars": "0",
+    "tool_calling.retokenize": "maybe",
 }
 
 
 def dotted_fields(cls, prefix: str = "") -> set[str]:
     names = set()
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "lora", "vllm", "padding"):
+        if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "lora", "vllm", "padding", "tool_calling"):
             names |= dotted_fields(typing.get_type_hints(cls)[f.name], f"{prefix}{f.name}.")
         else:
             names.add(prefix + f.name)

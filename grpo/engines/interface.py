@@ -22,6 +22,12 @@ class Sample:
     truncated: bool  # stopped by max_tokens rather than by EOS
     prompt_index: int  # index into the prompt list given to `generate`
     versions: list[int] | None = None  # the policy version that sampled each token (server: vLLM's weight_versions)
+    # multi-turn tool use (grpo.tools): completion_ids hold every token after the prompt, model and tool tokens
+    tool_mask: list[int] | None = None  # TRL's name: 1 on the model's tokens, 0 on tool tokens (no loss)
+    turn_of_token: list[int] | None = None  # the model turn (1, 2, ...) that sampled each token, 0 on tool tokens
+    tool_calls: int = 0
+    tool_failures: int = 0
+    retokenization_drift: bool = False  # re-rendering and re-tokenizing the episode gives other ids than sampled
 
 
 class EngineStateError(RuntimeError):
@@ -36,6 +42,7 @@ class Engine(Protocol):
 
     def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]: ...
 
+    # sampling: one SamplingParams for every prompt, or a list of them, one per prompt
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]: ...
 
     def close(self) -> None: ...

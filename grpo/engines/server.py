@@ -367,7 +367,7 @@ class ServerEngine:
         request_ids = [next(self._request_ids) for _ in prompt_ids]
         self.in_flight.update(request_ids)
 
-        def one(ids, seed, request_id):
+        def one(ids, params, seed, request_id):
             sent = time.time()
             try:
                 response = self._post(
@@ -376,14 +376,15 @@ class ServerEngine:
                         token_ids=ids,
                         model=model,
                         request_id=request_id,
-                        sampling_params=_sampling_json(sampling, seed),
+                        sampling_params=_sampling_json(params, seed),
                     ),
                 )
             finally:
                 self.in_flight.discard(request_id)
             return response, sent, time.time()
 
-        calls = [functools.partial(one, *args) for args in zip(prompt_ids, seeds, request_ids)]
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
+        calls = [functools.partial(one, *args) for args in zip(prompt_ids, per_prompt, seeds, request_ids)]
         futures = start_in_daemon_threads(calls, max_workers=32)
         return PendingGeneration(prompt_ids, futures, int(self.version))
 

@@ -1,0 +1,380 @@
+"""Multi-turn tool use, token in / token out: every turn generates from the exact ids of the episode so far.
+
+    engine = ToolEngine(engine, tokenizer, load_tools(cfg.tools), cfg)   # wraps either engine (grpo.run)
+    samples = engine.generate(prompt_ids, sampling)                       # whole episodes, one Sample each
+
+An episode's ids are its prompt, then each turn as the engine sampled it, then each tool response rendered alone by
+the chat template and tokenized alone (TRL's `_get_tool_suffix_ids` rule: the template's text between the end of
+the assistant turn and the next assistant header), appended. Nothing sampled is ever decoded and encoded again: BPE
+is not a bijection, so a re-rendered, re-tokenized conversation can hold other ids than the ones sampled, which the
+engine never scored (`retokenization_drift` counts how often; `tool_calling.retokenize` trains on those ids instead,
+to show what that costs). `tool_mask` (TRL's name) is 0 on the tool tokens: they carry no loss, no KL and no
+importance weight, and their log-probs are never compared with the engine's.
+
+TRL's rules (GRPOTrainer 1.16, `_tool_call_loop`): the first turn samples num_generations completions per prompt,
+later turns one per episode; a turn's tool calls run, their results are appended, the episode continues, for at most
+max_tool_calling_iterations rounds; max_completion_length counts every token after the prompt, tool tokens included,
+and a tool result that would pass it is dropped and ends the episode. A tool that raises, returns a non-string,
+hangs (`tool_calling.timeout_s`) or floods (`tool_calling.max_output_chars`), a malformed call and an unknown tool
+name each give the model an error result and count as a failed call (`tools/failure_frequency`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo.config import ConfigError
+from grpo.engines.interface import Sample
+from merge.server_health import start_in_daemon_threads
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+# ----------------------------------------------------------------------------- the tools of a config
+def load_tools(names: list[str] | None) -> list[Callable]:
+    """'module:function' -> the functions, each with a JSON schema from its signature and docstring (as TRL and
+    transformers build it); what cannot be imported or described is a ConfigError naming it."""
+    from transformers.utils import get_json_schema
+
+    tools = []
+    for name in names or []:
+        module_name, sep, attr = name.partition(":")
+        if not sep:
+            raise ConfigError(f"tools entry {name!r} must look like 'module:function'")
+        try:
+            func = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"tools entry {name!r} cannot be imported: {err}") from None
+        if not callable(func):
+            raise ConfigError(f"tools entry {name!r} is not a function")
+        try:
+            get_json_schema(func)
+        except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException
+            raise ConfigError(
+                f"tools entry {name!r} cannot be described to the model: {err} (a tool needs type hints and a "
+                "Google-style docstring with an Args: section)"
+            ) from None
+        tools.append(func)
+    names_seen = [t.__name__ for t in tools]
+    if len(set(names_seen)) != len(names_seen):
+        raise ConfigError(f"tools={names} holds two functions of the same name: the model calls a tool by name")
+    return tools
+
+
+# ----------------------------------------------------------------------------- one turn's tool calls
+def parse_tool_calls(text: str) -> list[dict | str]:
+    """The tool calls of an assistant turn's text, in order: each ``{"name", "arguments"}``, or a string saying
+    why that call is malformed (it still counts as a call, and its result is that error)."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as err:
+            calls.append(f"malformed tool call (not JSON: {err.msg}): {body.strip()[:80]!r}")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(f"malformed tool call (no name): {body.strip()[:80]!r}")
+        elif not isinstance(call.get("arguments", {}), dict):
+            calls.append(f"malformed tool call (arguments are not an object): {body.strip()[:80]!r}")
+        else:
+            calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+    if not calls and TOOL_CALL_OPEN in text:  # opened, never closed: the turn ended inside the call
+        calls.append(f"malformed tool call (no closing </tool_call>): {text.split(TOOL_CALL_OPEN, 1)[1][:80]!r}")
+    return calls
+
+
+@dataclass
+class ToolCaller:
+    """Runs tool calls with a time limit and an output cap; every failure becomes an error result."""
+
+    tools: dict[str, Callable]
+    timeout_s: float = 10.0
+    max_output_chars: int = 2000
+
+    def run(self, calls: list[dict | str]) -> list[tuple[str, str, bool]]:
+        """(tool name, result text, failed) per call, the calls run concurrently (daemon threads: a hung tool is
+        abandoned at its timeout, never waited for)."""
+        futures = start_in_daemon_threads([lambda c=c: self._invoke(c) for c in calls], max_workers=8)
+        results = []
+        for call, future in zip(calls, futures):
+            name = call["name"] if isinstance(call, dict) else "unknown"
+            try:
+                value = future.result(timeout=self.timeout_s)
+            except TimeoutError:
+                results.append((name, error_result(f"tool {name!r} timed out after {self.timeout_s:g} s"), True))
+                continue
+            except Exception as err:  # noqa: BLE001 - a tool's own error is the model's result
+                results.append((name, error_result(f"{type(err).__name__}: {err}"), True))
+                continue
+            if not isinstance(value, str):
+                problem = f"tool {name!r} returned {type(value).__name__}, not str"
+                results.append((name, error_result(problem), True))
+            elif len(value) > self.max_output_chars:
+                problem = f"tool {name!r} returned {len(value)} characters, over the cap of {self.max_output_chars}"
+                results.append((name, error_result(problem), True))
+            else:
+                results.append((name, value, False))
+        return results
+
+    def _invoke(self, call: dict | str):
+        if isinstance(call, str):
+            raise ValueError(call)
+        if call["name"] not in self.tools:
+            raise ValueError(f"tool {call['name']!r} not found; the tools are {sorted(self.tools)}")
+        return self.tools[call["name"]](**call["arguments"])
+
+
+def error_result(message: str) -> str:
+    return json.dumps({"error": message})
+
+
+# ----------------------------------------------------------------------------- rendering
+class Renderer:
+    """The chat template's text around the sampled ids: a tool response's ids (alone), and an assistant turn as
+    a re-tokenizing framework would render it again from parsed messages."""
+
+    def __init__(self, tokenizer, tools: list[Callable]):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.eos = tokenizer.eos_token_id
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools or None, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        """TRL's `_get_tool_suffix_ids`: the ids the template puts after an assistant turn's end-of-turn token for
+        these tool messages, through the next assistant header. Rendered alone and tokenized alone."""
+        call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
+        head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        prefix = self.tokenizer(self._render(head, False), add_special_tokens=False).input_ids
+        full = self.tokenizer(self._render(head + tool_messages, True), add_special_tokens=False).input_ids
+        ends = [i for i, t in enumerate(prefix) if t == self.eos]
+        prefix = prefix[: ends[-1] + 1] if ends else prefix
+        if full[: len(prefix)] != prefix:
+            raise ValueError("the chat template's tool suffix does not follow its assistant turn token for token")
+        return full[len(prefix) :]
+
+    def assistant_message(self, turn_ids: list[int], calls: list[dict | str]) -> dict:
+        """An assistant turn as a framework that parses and re-renders keeps it: text, plus its parsed calls."""
+        text = self.tokenizer.decode([t for t in turn_ids if t != self.eos], skip_special_tokens=False)
+        good = [c for c in calls if isinstance(c, dict)]
+        if not good or len(good) != len(calls):  # malformed calls stay in the text as written
+            return {"role": "assistant", "content": text}
+        content = TOOL_CALL.sub("", text).strip()
+        return {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [{"type": "function", "function": c} for c in good],
+        }
+
+    def retokenized_turn(self, message: dict, ended: bool) -> list[int]:
+        """The ids a re-rendering framework trains on for one assistant turn: the template's text of ``message``
+        (through its end-of-turn token when the turn ``ended``), tokenized as text."""
+        head = [{"role": "user", "content": "dummy"}]
+        start = self._render(head, True)
+        text = self._render(head + [message], False)[len(start) :]
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        ends = [i for i, t in enumerate(ids) if t == self.eos]
+        if not ended:  # cut by the length budget: no end-of-turn token was sampled
+            return ids[: ends[-1]] if ends else ids
+        return ids[: ends[-1] + 1] if ends else ids
+
+
+# ----------------------------------------------------------------------------- episodes
+@dataclass
+class Episode:
+    """One conversation after its prompt: each segment (a model turn, or the tool tokens after it) appended."""
+
+    prompt_ids: list[int]
+    prompt_index: int
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tool_mask: list[int] = field(default_factory=list)
+    turn_of_token: list[int] = field(default_factory=list)  # 1, 2, ... on the model's tokens, 0 on tool tokens
+    versions: list[int] | None = None
+    turns: list[tuple[list[int], list, bool]] = field(default_factory=list)  # (ids, calls, ended) per model turn
+    pending_calls: list = field(default_factory=list)  # the last turn's calls, not yet run
+    tool_responses: list[list[int]] = field(default_factory=list)  # the tool tokens appended after each call turn
+    tool_calls: int = 0
+    tool_failures: int = 0
+    truncated: bool = False
+
+    def add_turn(self, sample: Sample, calls: list, ended: bool) -> None:
+        turn = len(self.turns) + 1
+        self.completion_ids += sample.completion_ids
+        self.logprobs += sample.logprobs
+        self.tool_mask += [1] * len(sample.completion_ids)
+        self.turn_of_token += [turn] * len(sample.completion_ids)
+        if sample.versions is not None:
+            self.versions = (self.versions or []) + sample.versions
+        self.turns.append((sample.completion_ids, calls, ended))
+        self.pending_calls = calls
+        self.truncated = sample.truncated
+
+    def add_tool_tokens(self, ids: list[int]) -> None:
+        self.tool_responses.append(ids)
+        self.completion_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.tool_mask += [0] * len(ids)
+        self.turn_of_token += [0] * len(ids)
+        if self.versions is not None:
+            self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
+
+
+class ToolEngine:
+    """A rollout engine whose `generate` runs whole tool-using episodes on the engine it wraps (either of
+    `grpo.engines`); sync, generation phases and close are the wrapped engine's."""
+
+    def __init__(self, engine, tokenizer, tools: list[Callable], cfg):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.renderer = Renderer(tokenizer, tools)
+        settings = cfg.tool_calling
+        self.caller = ToolCaller({t.__name__: t for t in tools}, settings.timeout_s, settings.max_output_chars)
+        self.max_iterations = cfg.max_tool_calling_iterations
+        self.max_completion_length = cfg.max_completion_length
+        self.retokenize = settings.retokenize
+
+    def awake(self):
+        return self.engine.awake()
+
+    def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]:
+        return self.engine.sync_policy(model, adapter_dir, version, rank)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
+        """Episodes for token-id prompts, ``sampling.n`` per prompt, prompt by prompt: one `Sample` each, its
+        `completion_ids` every token after the prompt (model and tool tokens), `tool_mask` 0 on tool tokens."""
+        episodes, active = [], []
+        for sample in self.engine.generate(prompt_ids, sampling, use_tqdm=use_tqdm):
+            episode = Episode(sample.prompt_ids, sample.prompt_index)
+            episodes.append(episode)
+            active.append(self._after_turn(episode, sample))
+        rounds = 1
+        continuing = [e for e, tool_called in zip(episodes, active) if tool_called]
+        while continuing and (self.max_iterations is None or rounds <= self.max_iterations):
+            continuing = [e for e in continuing if self._append_tool_results(e)]
+            if not continuing:
+                break
+            budgets = [self.max_completion_length - len(e.completion_ids) for e in continuing]
+            per_episode = [one_sample(sampling, budget) for budget in budgets]
+            turns = self.engine.generate([e.prompt_ids + e.completion_ids for e in continuing], per_episode)
+            continuing = [e for e, s in zip(continuing, turns) if self._after_turn(e, s)]
+            rounds += 1
+        return [self._sample(e) for e in episodes]
+
+    def _after_turn(self, episode: Episode, sample: Sample) -> bool:
+        """Append a model turn; whether it called a tool and has room to go on."""
+        ids = sample.completion_ids
+        ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        calls = parse_tool_calls(text) if ended else []
+        episode.add_turn(sample, calls, ended)
+        return bool(calls) and len(episode.completion_ids) < self.max_completion_length
+
+    def _append_tool_results(self, episode: Episode) -> bool:
+        """Run the last turn's calls and append their rendered results (tool tokens); False when the results would
+        pass max_completion_length (dropped, as TRL drops them) or leave no room for another turn."""
+        results = self.caller.run(episode.pending_calls)
+        messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in results]
+        suffix = self.renderer.tool_suffix_ids(messages)
+        episode.tool_calls += len(results)
+        episode.tool_failures += sum(failed for _, _, failed in results)
+        if len(episode.completion_ids) + len(suffix) > self.max_completion_length:
+            return False
+        episode.add_tool_tokens(suffix)
+        if len(episode.completion_ids) == self.max_completion_length:
+            episode.truncated = True  # TRL: a last token that is no end-of-turn token marks a truncated episode
+            return False
+        return True
+
+    def retokenized(self, episode: Episode) -> tuple[list[int], list[int], list[int], list[float]]:
+        """The episode's completion as a re-rendering framework rebuilds it: each model turn parsed and rendered
+        again, then tokenized as text; the tool tokens as they were. Returns (ids, tool_mask, turn_of_token,
+        the engine's log-probs kept by position within each turn: what such a framework pairs them with)."""
+        ids, mask, turn_of, logprobs = [], [], [], []
+        tool_segments = iter(episode.tool_responses)
+        position = 0
+        for turn, (turn_ids, calls, ended) in enumerate(episode.turns, start=1):
+            again = self.renderer.retokenized_turn(self.renderer.assistant_message(turn_ids, calls), ended)
+            sampled = episode.logprobs[position : position + len(turn_ids)]
+            logprobs += (sampled + [0.0] * len(again))[: len(again)]
+            ids += again
+            mask += [1] * len(again)
+            turn_of += [turn] * len(again)
+            position += len(turn_ids)
+            suffix = next(tool_segments, None)
+            if suffix is not None:
+                ids += suffix
+                mask += [0] * len(suffix)
+                turn_of += [0] * len(suffix)
+                logprobs += [0.0] * len(suffix)
+                position += len(suffix)
+        return ids, mask, turn_of, logprobs
+
+    def _sample(self, episode: Episode) -> Sample:
+        again = self.retokenized(episode)
+        drifted = again[0] != episode.completion_ids
+        ids, mask, turn_of, logprobs = (
+            again
+            if self.retokenize
+            else (episode.completion_ids, episode.tool_mask, episode.turn_of_token, episode.logprobs)
+        )
+        return Sample(
+            prompt_ids=episode.prompt_ids,
+            completion_ids=ids,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            logprobs=logprobs,
+            truncated=episode.truncated,
+            prompt_index=episode.prompt_index,
+            versions=episode.versions if not self.retokenize else None,
+            tool_mask=mask,
+            turn_of_token=turn_of,
+            tool_calls=episode.tool_calls,
+            tool_failures=episode.tool_failures,
+            retokenization_drift=drifted,
+        )
+
+
+def one_sample(sampling, max_tokens: int):
+    """``sampling`` for a later turn: one completion, at most ``max_tokens`` (what is left of the budget)."""
+    turn = sampling.clone()
+    turn.n, turn.max_tokens = 1, max_tokens
+    return turn
+
+
+# ----------------------------------------------------------------------------- metrics
+def tool_stats(samples: list[Sample]) -> dict[str, float]:
+    """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name)."""
+    if not samples or samples[0].tool_mask is None:
+        return {}
+    return dict(
+        tool_episodes=float(len(samples)),
+        tool_calls=float(sum(s.tool_calls for s in samples)),
+        tool_failures=float(sum(s.tool_failures for s in samples)),
+        tool_turns=float(sum(max(s.turn_of_token, default=0) for s in samples)),
+        tool_episodes_calling=float(sum(s.tool_calls > 0 for s in samples)),
+        tool_episodes_succeeding=float(sum(s.tool_calls > s.tool_failures for s in samples)),
+        tool_drifted=float(sum(s.retokenization_drift for s in samples)),
+    )
+
+
+TURN_GROUPS = {"turn1": (1, 1), "turn2": (2, 2), "turn3plus": (3, None)}
+
+
+def turn_masks(batch: dict, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``mask`` [N, R] restricted to the model tokens of turn 1, turn 2 and turns 3 and later."""
+    turn = batch["turn_of_token"]
+    return {
+        name: mask & (turn >= low) & (turn <= (high if high is not None else turn.max().clamp(min=low)))
+        for name, (low, high) in TURN_GROUPS.items()
+    }

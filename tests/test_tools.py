@@ -1,0 +1,273 @@
+"""grpo/tools.py: multi-turn episodes token in / token out on a scripted engine (no model, no vLLM), the tool mask
+through the padded batch and the packed log-probs, misbehaving tools, the budget, the retokenized comparison, and
+the refusals of a bad `tools` entry."""
+
+import json
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, ToolCallingSettings
+from grpo.data import make_batch, select
+from grpo.engines.interface import Sample
+from grpo.tiny_tools import build_tool_tokenizer, make_tool_problems, render, tool_conversation
+from grpo.tool_functions import calculator
+from grpo.tools import ToolCaller, ToolEngine, load_tools, parse_tool_calls, tool_stats
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    problems = make_tool_problems(300, seed=5)
+    texts = render([tool_conversation(p, call_tool=i % 2 == 0) for i, p in enumerate(problems)])
+    return build_tool_tokenizer(texts)
+
+
+@dataclass
+class Sampling:  # what ToolEngine reads of vLLM's SamplingParams
+    n: int = 1
+    max_tokens: int = 64
+
+    def clone(self):
+        return Sampling(self.n, self.max_tokens)
+
+
+class ScriptedEngine:
+    """Answers turn k of every episode with ``turns[k]`` (ids, or a text tokenized canonically, then the eos), cut
+    at the request's max_tokens; each sampled token's log-prob is -0.5. Records every request."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns, self.requests = tokenizer, turns, []
+        self.response_open = tokenizer.convert_tokens_to_ids("<tool_response>")
+
+    def generate(self, prompt_ids, sampling, use_tqdm=False):
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
+        self.requests.append([(list(ids), s.n, s.max_tokens) for ids, s in zip(prompt_ids, per_prompt)])
+        samples = []
+        for index, (ids, params) in enumerate(zip(prompt_ids, per_prompt)):
+            turn = self.turns[min(ids.count(self.response_open), len(self.turns) - 1)]
+            full = turn if isinstance(turn, list) else self.encode(turn) + [self.tokenizer.eos_token_id]
+            out = full[: params.max_tokens]
+            for _ in range(params.n):
+                samples.append(Sample(list(ids), out, "", [-0.5] * len(out), len(out) < len(full), index))
+        return samples
+
+    def encode(self, text):
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def tool_engine(tokenizer, turns, tools=(calculator,), **settings):
+    cfg = SimpleNamespace(
+        tool_calling=ToolCallingSettings(**settings.pop("tool_calling", {})),
+        max_tool_calling_iterations=settings.pop("max_tool_calling_iterations", None),
+        max_completion_length=settings.pop("max_completion_length", 64),
+    )
+    return ToolEngine(ScriptedEngine(tokenizer, turns), tokenizer, list(tools), cfg)
+
+
+def prompt_ids(tokenizer, question="Ava buys 37 boxes of 48 pens. How many pens?"):
+    messages = [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tools=[calculator], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_an_episode_is_the_sampled_ids_and_each_tool_response_tokenized_alone(tokenizer):
+    engine = tool_engine(tokenizer, [CALL, "#### 1776"])
+    prompt = prompt_ids(tokenizer)
+    samples = engine.generate([prompt], Sampling(n=2))
+    assert len(samples) == 2
+    turn1 = engine.engine.encode(CALL) + [tokenizer.eos_token_id]
+    suffix = engine.renderer.tool_suffix_ids([{"role": "tool", "name": "calculator", "content": "1776"}])
+    turn2 = engine.engine.encode("#### 1776") + [tokenizer.eos_token_id]
+    assert tokenizer.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n1776\n</tool_response><|im_end|>\n" + (
+        "<|im_start|>assistant\n"
+    )
+    for s in samples:
+        assert s.prompt_ids == prompt and s.completion_ids == turn1 + suffix + turn2
+        assert s.tool_mask == [1] * len(turn1) + [0] * len(suffix) + [1] * len(turn2)
+        assert s.turn_of_token == [1] * len(turn1) + [0] * len(suffix) + [2] * len(turn2)
+        assert s.logprobs == [-0.5] * len(turn1) + [0.0] * len(suffix) + [-0.5] * len(turn2)
+        assert (s.tool_calls, s.tool_failures, s.truncated, s.retokenization_drift) == (1, 0, False, False)
+        assert s.text.endswith("#### 1776")
+    # the second turn is generated from the exact ids so far, one completion per episode, within the budget
+    first, second = engine.engine.requests
+    assert first == [(prompt, 2, 64)]
+    assert second == [(prompt + turn1 + suffix, 1, 64 - len(turn1 + suffix))] * 2
+    # canonical ids here: the chat template renders the same conversation to the same ids
+    messages = tool_conversation({"question": "Ava buys 37 boxes of 48 pens. How many pens?", "answer": "37*48="}, True)
+    text = tokenizer.apply_chat_template(messages, tools=[calculator], tokenize=False)
+    assert tokenizer(text, add_special_tokens=False).input_ids == prompt + samples[
+        0
+    ].completion_ids + engine.engine.encode("\n")
+    stats = tool_stats(samples)
+    assert stats["tool_calls"] == 2 and stats["tool_turns"] == 4 and stats["tool_drifted"] == 0
+
+
+def test_a_turn_sampled_in_other_tokens_than_the_canonical_ones_is_kept_as_sampled(tokenizer):
+    """BPE is not a bijection: "#### 1776" sampled digit by digit decodes to the canonical text, whose tokens differ.
+    Token in / token out trains on the sampled ids; the retokenized comparison on the canonical ones."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    odd = encode("#### ") + [encode(digit)[0] for digit in "1776"] + [tokenizer.eos_token_id]
+    canonical = encode("#### 1776") + [tokenizer.eos_token_id]
+    assert odd != canonical and tokenizer.decode(odd) == tokenizer.decode(canonical)
+    sampled = tool_engine(tokenizer, [CALL, odd]).generate([prompt_ids(tokenizer)], Sampling())[0]
+    assert sampled.completion_ids[-len(odd) :] == odd and sampled.retokenization_drift
+    again = tool_engine(tokenizer, [CALL, odd], tool_calling={"retokenize": True})
+    retokenized = again.generate([prompt_ids(tokenizer)], Sampling())[0]
+    assert retokenized.completion_ids[-len(canonical) :] == canonical and retokenized.retokenization_drift
+    # the engine's log-probs are kept by position: the retokenized turn pairs tokens with other tokens' values
+    assert len(retokenized.logprobs) == len(retokenized.completion_ids) == len(retokenized.tool_mask)
+    assert retokenized.completion_ids[: -len(canonical)] == sampled.completion_ids[: -len(odd)]
+
+
+def test_misbehaving_tools_give_error_results_and_count_as_failures():
+    def raises(x: int) -> str:
+        """Raise.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("boom")
+
+    def not_a_string(x: int) -> str:
+        """Return an int.
+
+        Args:
+            x: anything
+        """
+        return x
+
+    def hangs(x: int) -> str:
+        """Sleep.
+
+        Args:
+            x: anything
+        """
+        time.sleep(30)
+        return "late"
+
+    def floods(x: int) -> str:
+        """Flood.
+
+        Args:
+            x: anything
+        """
+        return "9" * 10_000
+
+    tools = {f.__name__: f for f in (raises, not_a_string, hangs, floods, calculator)}
+    caller = ToolCaller(tools, timeout_s=0.5, max_output_chars=100)
+    text = "".join(
+        f"<tool_call>\n{body}\n</tool_call>"
+        for body in [
+            '{"name": "raises", "arguments": {"x": 1}}',
+            '{"name": "not_a_string", "arguments": {"x": 1}}',
+            '{"name": "hangs", "arguments": {"x": 1}}',
+            '{"name": "floods", "arguments": {"x": 1}}',
+            '{"name": "nope", "arguments": {}}',
+            '{"name": "calculator", "arguments": {"expression": "2*"}}',
+            '{"name": "calculator", "arguments": {"expression": "2*3"}',  # a brace short
+            '{"name": "calculator", "arguments": {"expression": "6*7"}}',
+        ]
+    )
+    start = time.perf_counter()
+    results = caller.run(parse_tool_calls(text))
+    assert time.perf_counter() - start < 5  # the hung tool is abandoned at its timeout
+    assert [failed for _, _, failed in results] == [True] * 7 + [False]
+    errors = [json.loads(result)["error"] for _, result, failed in results if failed]
+    for error, words in zip(
+        errors,
+        [
+            "RuntimeError: boom",
+            "returned int, not str",
+            "timed out after 0.5 s",
+            "10000 characters, over the cap of 100",
+        ]
+        + ["'nope' not found", "'2*' is not an arithmetic expression", "malformed tool call (not JSON"],
+    ):
+        assert words in error, (words, error)
+    assert results[-1] == ("calculator", "42", False)
+    assert parse_tool_calls('<tool_call>\n{"name": "calcul') == [
+        'malformed tool call (no closing </tool_call>): \'\\n{"name": "calcul\''
+    ]
+
+
+def test_failures_reach_the_model_and_the_metrics(tokenizer):
+    bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "import os"}}\n</tool_call>'
+    engine = tool_engine(tokenizer, [bad, "#### 0"], max_completion_length=256)
+    sample = engine.generate([prompt_ids(tokenizer)], Sampling(max_tokens=256))[0]
+    assert (sample.tool_calls, sample.tool_failures) == (1, 1)
+    assert "is not an arithmetic expression" in tokenizer.decode(sample.completion_ids)
+    stats = tool_stats([sample])
+    assert stats["tool_failures"] == 1 and stats["tool_episodes_succeeding"] == 0
+
+
+def test_the_budget_counts_tool_tokens_and_drops_a_result_that_would_pass_it(tokenizer):
+    turn1 = len(tokenizer(CALL, add_special_tokens=False).input_ids) + 1
+    suffix = len(
+        tool_engine(tokenizer, [CALL]).renderer.tool_suffix_ids([{"role": "tool", "name": "c", "content": "1776"}])
+    )
+    # room for the call, not for its result: the result is dropped and the episode ends after turn 1 (TRL's rule)
+    short = tool_engine(tokenizer, [CALL, "#### 1776"], max_completion_length=turn1 + suffix - 1)
+    sample = short.generate([prompt_ids(tokenizer)], Sampling(max_tokens=turn1 + suffix - 1))[0]
+    assert len(sample.completion_ids) == turn1 and sample.tool_calls == 1 and len(short.engine.requests) == 1
+    # room for the result and three more tokens: the last turn is cut there, truncated
+    tight = tool_engine(tokenizer, [CALL, "#### 1776 is the product"], max_completion_length=turn1 + suffix + 3)
+    sample = tight.generate([prompt_ids(tokenizer)], Sampling(max_tokens=turn1 + suffix + 3))[0]
+    assert len(sample.completion_ids) == turn1 + suffix + 3 and sample.truncated
+    assert tight.engine.requests[1][0][2] == 3
+
+
+def test_max_tool_calling_iterations_bounds_the_rounds(tokenizer):
+    engine = tool_engine(tokenizer, [CALL], max_tool_calling_iterations=2, max_completion_length=512)
+    sample = engine.generate([prompt_ids(tokenizer)], Sampling(max_tokens=512))[0]
+    assert sample.tool_calls == 2 and max(sample.turn_of_token) == 3 and len(engine.engine.requests) == 3
+
+
+def test_tool_tokens_carry_no_loss_through_the_batch_and_the_packed_log_probs(tokenizer):
+    """make_batch masks the tool tokens inside the response; the padding rule reads every model token at its place
+    (the per-sequence forward's values), 0 on tool tokens; select keeps the model tokens after a tool response."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from padding import packed_log_probs
+
+    engine = tool_engine(tokenizer, [CALL, "#### 1776"])
+    samples = engine.generate(
+        [prompt_ids(tokenizer), prompt_ids(tokenizer, "Bo has 12 bags of 15 cups. How many?")], Sampling()
+    )
+    samples.append(tool_engine(tokenizer, ["#### 5"]).generate([prompt_ids(tokenizer, "Hi")], Sampling())[0])
+    batch = make_batch(samples, tokenizer.pad_token_id, torch.device("cpu"))
+    mask = torch.tensor([s.tool_mask + [0] * (batch["response_mask"].shape[1] - len(s.tool_mask)) for s in samples])
+    assert torch.equal(batch["response_mask"], mask) and batch["turn_of_token"].max() == 2
+    sub = select(batch, slice(0, 2))
+    assert sub["response_mask"].shape[1] == len(samples[0].completion_ids)  # not the count of model tokens
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        got = packed_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        for i, s in enumerate(samples):
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1].log_softmax(-1)
+            want = logits.gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0] * torch.tensor(s.tool_mask)
+            assert (got[i, : len(want)] - want).abs().max() < 1e-5
+        legacy = packed_log_probs(
+            model, batch["input_ids"], batch["attention_mask"], batch["response_mask"], legacy_slice=True
+        )
+    assert (legacy - got)[batch["response_mask"].bool()].abs().max() > 0.1  # the misaligned slice reads other tokens
+
+
+def test_a_tool_that_cannot_be_used_is_refused_naming_it():
+    with pytest.raises(ConfigError, match="'grpo.tool_functions:nope' cannot be imported"):
+        load_tools(["grpo.tool_functions:nope"])
+    with pytest.raises(ConfigError, match="'json:dumps' cannot be described to the model"):
+        load_tools(["json:dumps"])
+    with pytest.raises(ConfigError, match="two functions of the same name"):
+        load_tools(["grpo.tool_functions:calculator", "grpo.tool_functions:calculator"])
+    assert load_tools(["grpo.tool_functions:calculator"]) == [calculator]
