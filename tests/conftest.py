@@ -15,3 +15,12 @@ def tiny_moe_model(tmp_path_factory):
     from grpo.tiny_gsm8k import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe", size="tiny-moe", warmup_steps=60)
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model(tmp_path_factory):
+    """The embedded tool-use model after a short warm-up on tool conversations only: it calls the calculator in
+    well-formed JSON on most problems (copying the result right takes the full warm-up)."""
+    from grpo.tiny_tools import build_tool_model
+
+    return build_tool_model(tmp_path_factory.mktemp("model") / "tools", warmup_steps=100, tool_only_steps=100)

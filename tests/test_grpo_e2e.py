@@ -164,3 +164,21 @@ def test_legacy_padding_blows_up_the_ratio(tmp_path, tiny_model):
     proc, metrics = launch(tmp_path, tiny_model, "padding.legacy_slice=true", "max_steps=2")
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert all(m["ratio_max"] > 10 for m in metrics), metrics  # tokens read at the wrong position
+
+
+def test_tool_episodes_follow_the_trainer_on_every_turn(tmp_path, tiny_tool_model):
+    """Multi-turn episodes on the tool task (recipes/configs/tiny_cpu_tools.yaml), token in / token out: the engine's
+    log-probs equal the trainer's on the model tokens of each turn, the on-policy ratio is 1, and re-tokenizing the
+    sampled conversations would have changed some of them."""
+    proc, metrics = launch(
+        tmp_path, tiny_tool_model, "max_completion_length=48", "data.max_prompt_length=64", config="tiny_cpu_tools.yaml"
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["tools/call_frequency"] > 0.5 and m["model_tokens_turn2"] > 0, m  # the episodes went on after a tool
+        assert m["ratio_onpolicy_maxdev"] <= 1e-5, m
+        assert m["rollout_logprob_diff_turn1"] <= 1e-6 and m["rollout_logprob_diff_turn2"] <= 1e-6, m
+        assert m["sync_changed_trainer"] == 0, m
+        assert 0 <= m["retokenization_drift"] <= 1 and 0 <= m["tools/failure_frequency"] <= 1
+    assert sum(m["retokenization_drift"] for m in metrics) > 0

@@ -271,3 +271,15 @@ def test_a_tool_that_cannot_be_used_is_refused_naming_it():
     with pytest.raises(ConfigError, match="two functions of the same name"):
         load_tools(["grpo.tool_functions:calculator", "grpo.tool_functions:calculator"])
     assert load_tools(["grpo.tool_functions:calculator"]) == [calculator]
+
+
+def test_the_recipe_refuses_a_tool_it_cannot_describe_before_the_model_loads(tmp_path):
+    """One line, exit code 2, from the plain recipe on the tool config: nothing is built or loaded first."""
+    from recipe_runs import run_recipe
+
+    overrides = ["model.build_tiny=null", "model.name_or_path=/no/such/model", "tools=[json:dumps]"]
+    proc = run_recipe(tmp_path, *overrides, config="tiny_cpu_tools.yaml")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: tools entry 'json:dumps' cannot be described to the model"), line
+    assert not (tmp_path / "run").exists()
