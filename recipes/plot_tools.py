@@ -68,8 +68,8 @@ def plot(runs: list[Path], out: Path) -> Path:
         (drift_ax, "re-tokenized ≠ sampled (episodes)", False),
         (calls_ax, "tool calls per episode", False),
         (reward_ax, "mean reward", False),
-        (eval_ax, "held-out acc.: greedy •, sampled ×", False),
-        (success_ax, "held-out tool results: greedy •, sampled ×", False),
+        (eval_ax, "held-out accuracy", False),
+        (success_ax, "held-out episodes with a tool result", False),
     ]:
         ax.set_title(title)
         ax.set_xlabel("rollout step")
@@ -77,7 +77,13 @@ def plot(runs: list[Path], out: Path) -> Path:
             ax.set_yscale("log")
     ratio_ax.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     legend_ax.axis("off")
-    legend_ax.legend(*reward_ax.get_legend_handles_labels(), loc="center", frameon=False, fontsize=8)
+    legend_ax.legend(
+        *reward_ax.get_legend_handles_labels(),
+        loc="center",
+        frameon=False,
+        fontsize=8,
+        title="held-out: • greedy, × sampled",
+    )
     return save_figure(fig, out)
 
 

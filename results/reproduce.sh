@@ -12,7 +12,7 @@ tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml output_dir
 # <run_name>-2 instead of replacing it.
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
        results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-* results/tiny-cpu-server \
-       results/trl-tiny-cpu-server results/tiny-cpu-server-async*
+       results/trl-tiny-cpu-server results/tiny-cpu-server-async* results/tiny-cpu-tools* results/trl-tiny-cpu-tools
 "${launch[@]}" "${tiny[@]}"                                    # README's main command, written into results/
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
@@ -27,10 +27,12 @@ done
 "${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_moe_cpu.yaml output_dir=results
 # vllm.mode=server (docs/server.md): the main run's config with rollouts from a `vllm serve` on the same machine,
 # in fp32 (results/tiny-cpu-server) and in bf16 as the precision set's runs (results/precision/bf16-server)
-serve_tiny() {  # $1: the server's dtype, $2: its log's name; the server's pid in $server once it answers
+serve_tiny() {  # $1: the server's dtype, $2: its log's name, [$3: model, $4: max model length]; the server's pid in
+  # $server once it answers
   if curl -sf http://127.0.0.1:8391/health > /dev/null; then echo "another server answers on port 8391" >&2; exit 1; fi
-  VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model cache/tiny-qwen3-gsm8k \
-      --host 127.0.0.1 --port 8391 --dtype "$1" --enforce-eager --max-model-len 160 --kv-cache-memory-bytes 268435456 \
+  VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model "${3:-cache/tiny-qwen3-gsm8k}" \
+      --host 127.0.0.1 --port 8391 --dtype "$1" --enforce-eager --max-model-len "${4:-160}" \
+      --kv-cache-memory-bytes 268435456 \
       --enable-scale-out --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs \
       --no-enable-prefix-caching --max-num-batched-tokens 16384 > "${TMPDIR:-/tmp}/$2.serve.log" 2>&1 &
   server=$!
@@ -59,6 +61,16 @@ serve_tiny float32 trl-tiny-cpu-server
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_server.yaml --output_dir results \
     --vllm_server_base_url http://127.0.0.1:8391
 kill $server; wait $server || true
+# multi-turn tool use (docs/tools.md): token in / token out (colocated; it builds cache/tiny-qwen3-tools), the
+# re-tokenized comparison, the same against a lora_merge server, and TRL's GRPOTrainer(tools=...) with the merged sync
+tools=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_tools.yaml output_dir=results)
+"${launch[@]}" "${tools[@]}"
+"${launch[@]}" "${tools[@]}" tool_calling.retokenize=true run_name=tiny-cpu-tools-retokenized
+serve_tiny float32 tiny-cpu-tools-server cache/tiny-qwen3-tools 192
+"${launch[@]}" "${tools[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 run_name=tiny-cpu-tools-server
+kill $server; wait $server || true
+.venv/bin/python recipes/plot_tools.py results/tiny-cpu-tools results/tiny-cpu-tools-retokenized \
+    results/tiny-cpu-tools-server --out results/grpo_tools.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \

@@ -135,3 +135,22 @@ def test_timeline_draws_each_side_and_its_busy_fractions(tmp_path):
     assert json.loads(out.with_suffix(".json").read_text()) == summary
     with pytest.raises(SystemExit, match="no timeline lines"):
         plot_timeline.main([str(run), "--steps", "5", "6", "--out", str(out)])
+
+
+def test_tool_runs_plot_and_their_committed_figures(tmp_path):
+    """recipes/plot_tools.py draws the committed tool runs; their figures are the ones docs/tools.md quotes: token in /
+    token out keeps every turn at |vLLM - trainer| <= 1e-6 and the trainer/vLLM ratio at 1, the re-tokenized run not."""
+    import plot_tools
+
+    results = Path(__file__).resolve().parents[1] / "results"
+    runs = [results / name for name in ("tiny-cpu-tools", "tiny-cpu-tools-retokenized", "tiny-cpu-tools-server")]
+    out = plot_tools.plot(runs, tmp_path / "tools.png")
+    assert matplotlib.image.imread(out).shape[1] > 1000
+    exact, retokenized, server = plot_tools.summary(runs)
+    for row in (exact, server):
+        for turn in ("turn1", "turn2"):
+            assert row[f"max_rollout_logprob_diff_{turn}"] <= 1e-6 and row[f"max_worst_ratio_{turn}"] < 1 + 1e-4, row
+        assert row["max_ratio_onpolicy_maxdev"] == 0 and row["mean_retokenization_drift"] > 0
+        assert row["eval_reward_greedy_last"] > row["eval_reward_greedy_first"] + 0.1
+        assert row["eval_tool_success_sampled_last"] > row["eval_tool_success_sampled_first"] + 0.1
+    assert retokenized["max_rollout_logprob_diff_turn1"] > 1e-2 and retokenized["max_worst_ratio_turn2"] > 10
