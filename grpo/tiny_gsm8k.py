@@ -225,6 +225,28 @@ def _save_atomically(model, tokenizer, info: dict, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
+def cached_build(out_dir: Path, args: dict, build: bool, make) -> str:
+    """``out_dir`` when its ``build_info.json`` holds ``args``; else, with ``build=False``, wait for another process
+    to build it (however long a build takes on a loaded machine); else ``make()`` -> (model, tokenizer, figures) on
+    every core (launchers set 1 thread per process; the build runs alone), written atomically with ``args``, the
+    figures and the build's seconds in ``build_info.json``."""
+    if _holds_build(out_dir, args):
+        return str(out_dir)
+    if not build:
+        while not _holds_build(out_dir, args):
+            time.sleep(1)
+        return str(out_dir)
+    start, threads = time.perf_counter(), torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        model, tokenizer, figures = make()
+    finally:
+        torch.set_num_threads(threads)
+    info = dict(args=args, **figures, build_seconds=round(time.perf_counter() - start, 1))
+    _save_atomically(model, tokenizer, info, out_dir)
+    return str(out_dir)
+
+
 def build_tiny_model(
     out_dir: str | Path,
     size: str = "tiny",
@@ -254,44 +276,33 @@ def build_tiny_model(
         learning_rate=learning_rate,
         slip_rate=slip_rate,
     )
-    if _holds_build(out_dir, args):
-        return str(out_dir)
-    if not build:  # another process builds it: wait for its files, however long the build takes on a loaded machine
-        while not _holds_build(out_dir, args):
-            time.sleep(1)
-        return str(out_dir)
 
-    start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # launchers set 1 thread per process; the build runs alone
-    torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
-    vocab = (len(tokenizer) + 63) // 64 * 64
-    model = new_model(
-        size,
-        vocab_size=vocab,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rope_theta=10000.0,
-    )
-    train = with_slips(make_problems(warmup_steps * batch_size, seed=seed + 1), slip_rate, seed=seed + 3)
-    loss = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate, size=size)
+    def make():
+        torch.manual_seed(seed)
+        tokenizer = build_tokenizer()
+        vocab = (len(tokenizer) + 63) // 64 * 64
+        model = new_model(
+            size,
+            vocab_size=vocab,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            rope_theta=10000.0,
+        )
+        train = with_slips(make_problems(warmup_steps * batch_size, seed=seed + 1), slip_rate, seed=seed + 3)
+        loss = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate, size=size)
+        held_out = make_problems(128, seed=seed + 2)
+        figures = dict(
+            parameters=sum(p.numel() for p in model.parameters()),
+            final_loss=loss.item(),
+            greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
+            sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=seed),
+        )
+        return model, tokenizer, figures
 
-    held_out = make_problems(128, seed=seed + 2)
-    info = dict(
-        args=args,
-        parameters=sum(p.numel() for p in model.parameters()),
-        final_loss=loss.item(),
-        greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
-        sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=seed),
-        build_seconds=round(time.perf_counter() - start, 1),
-    )
-    _save_atomically(model, tokenizer, info, out_dir)
-    torch.set_num_threads(threads)
-    return str(out_dir)
+    return cached_build(out_dir, args, build, make)
 
 
 if __name__ == "__main__":

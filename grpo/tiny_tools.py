@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +34,7 @@ import torch
 
 from grpo.engines.interface import Sample
 from grpo.rewards import gsm8k_exact_answer_reward
-from grpo.tiny_gsm8k import NAMES, OBJECTS, _holds_build, _save_atomically, new_model
+from grpo.tiny_gsm8k import NAMES, OBJECTS, cached_build, new_model
 from grpo.tool_functions import calculator
 
 TOOLS = [calculator]
@@ -378,53 +376,42 @@ def build_tool_model(
         tool_rate=tool_rate,
         tool_only_steps=tool_only_steps,
     )
-    if _holds_build(out_dir, args):
-        return str(out_dir)
-    if not build:  # another process builds it: wait for its files, however long the build takes on a loaded machine
-        while not _holds_build(out_dir, args):
-            time.sleep(1)
-        return str(out_dir)
 
-    start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # launchers set 1 thread per process; the build runs alone
-    torch.manual_seed(seed)
-    rng = random.Random(seed + 3)
-    train = [
-        tool_conversation(p, call_tool=i < tool_only_steps * batch_size or rng.random() < tool_rate)
-        for i, p in enumerate(make_tool_problems(warmup_steps * batch_size, seed=seed + 1))
-    ]
-    tokenizer = build_tool_tokenizer(render(train[:: max(1, len(train) // TOKENIZER_TEXTS)]))  # both phases
-    model = new_model(
-        "tiny",
-        vocab_size=(len(tokenizer) + 63) // 64 * 64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rope_theta=10000.0,
-    )
-    loss = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate)
+    def make():
+        torch.manual_seed(seed)
+        rng = random.Random(seed + 3)
+        train = [
+            tool_conversation(p, call_tool=i < tool_only_steps * batch_size or rng.random() < tool_rate)
+            for i, p in enumerate(make_tool_problems(warmup_steps * batch_size, seed=seed + 1))
+        ]
+        tokenizer = build_tool_tokenizer(render(train[:: max(1, len(train) // TOKENIZER_TEXTS)]))  # both phases
+        model = new_model(
+            "tiny",
+            vocab_size=(len(tokenizer) + 63) // 64 * 64,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            rope_theta=10000.0,
+        )
+        loss = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate)
+        held_out = make_tool_problems(128, seed=seed + 2)
+        sampled = measure_tool_episodes(model, tokenizer, held_out, greedy=False, seed=seed)
+        greedy = measure_tool_episodes(model, tokenizer, held_out, greedy=True)
+        figures = dict(
+            parameters=sum(p.numel() for p in model.parameters()),
+            final_loss=loss,
+            tool_call_rate=sampled["tool_call_rate"],
+            sampled_accuracy=sampled["accuracy"],
+            sampled_accuracy_with_tool=sampled["accuracy_with_tool"],
+            sampled_accuracy_without_tool=sampled["accuracy_without_tool"],
+            sampled_retokenized_differs=sampled["retokenized_differs"],
+            greedy_tool_call_rate=greedy["tool_call_rate"],
+            greedy_accuracy=greedy["accuracy"],
+        )
+        return model, tokenizer, figures
 
-    held_out = make_tool_problems(128, seed=seed + 2)
-    sampled = measure_tool_episodes(model, tokenizer, held_out, greedy=False, seed=seed)
-    greedy = measure_tool_episodes(model, tokenizer, held_out, greedy=True)
-    info = dict(
-        args=args,
-        parameters=sum(p.numel() for p in model.parameters()),
-        final_loss=loss,
-        tool_call_rate=sampled["tool_call_rate"],
-        sampled_accuracy=sampled["accuracy"],
-        sampled_accuracy_with_tool=sampled["accuracy_with_tool"],
-        sampled_accuracy_without_tool=sampled["accuracy_without_tool"],
-        sampled_retokenized_differs=sampled["retokenized_differs"],
-        greedy_tool_call_rate=greedy["tool_call_rate"],
-        greedy_accuracy=greedy["accuracy"],
-        build_seconds=round(time.perf_counter() - start, 1),
-    )
-    _save_atomically(model, tokenizer, info, out_dir)
-    torch.set_num_threads(threads)
-    return str(out_dir)
+    return cached_build(Path(out_dir), args, build, make)
 
 
 if __name__ == "__main__":
