@@ -201,7 +201,6 @@ class Episode:
     turn_of_token: list[int] = field(default_factory=list)  # 1, 2, ... on the model's tokens, 0 on tool tokens
     versions: list[int] | None = None
     turns: list[tuple[list[int], list, bool]] = field(default_factory=list)  # (ids, calls, ended) per model turn
-    pending_calls: list = field(default_factory=list)  # the last turn's calls, not yet run
     tool_responses: list[list[int]] = field(default_factory=list)  # the tool tokens appended after each call turn
     tool_calls: int = 0
     tool_failures: int = 0
@@ -216,7 +215,6 @@ class Episode:
         if sample.versions is not None:
             self.versions = (self.versions or []) + sample.versions
         self.turns.append((sample.completion_ids, calls, ended))
-        self.pending_calls = calls
         self.truncated = sample.truncated
 
     def add_tool_tokens(self, ids: list[int]) -> None:
@@ -254,13 +252,12 @@ class ToolEngine:
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
         """Episodes for token-id prompts, ``sampling.n`` per prompt, prompt by prompt: one `Sample` each, its
         `completion_ids` every token after the prompt (model and tool tokens), `tool_mask` 0 on tool tokens."""
-        episodes, active = [], []
+        episodes, continuing = [], []
         for sample in self.engine.generate(prompt_ids, sampling, use_tqdm=use_tqdm):
-            episode = Episode(sample.prompt_ids, sample.prompt_index)
-            episodes.append(episode)
-            active.append(self._after_turn(episode, sample))
+            episodes.append(Episode(sample.prompt_ids, sample.prompt_index))
+            if self._after_turn(episodes[-1], sample):
+                continuing.append(episodes[-1])
         rounds = 1
-        continuing = [e for e, tool_called in zip(episodes, active) if tool_called]
         while continuing and (self.max_iterations is None or rounds <= self.max_iterations):
             continuing = [e for e in continuing if self._append_tool_results(e)]
             if not continuing:
@@ -284,7 +281,8 @@ class ToolEngine:
     def _append_tool_results(self, episode: Episode) -> bool:
         """Run the last turn's calls and append their rendered results (tool tokens); False when the results would
         pass max_completion_length (dropped, as TRL drops them) or leave no room for another turn."""
-        results = self.caller.run(episode.pending_calls)
+        _, calls, _ = episode.turns[-1]
+        results = self.caller.run(calls)
         messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in results]
         suffix = self.renderer.tool_suffix_ids(messages)
         episode.tool_calls += len(results)
