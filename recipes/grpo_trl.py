@@ -23,6 +23,13 @@ TRL's ``vllm_mode: server`` against a ``vllm serve`` with the ``lora_merge`` wei
 built inside ``merge.trl.lora_merge_server_client()`` and each sync sends only the LoRA factors. The server's
 settings are checked first (``ServerEngine.check_settings``: processed log-probs, dtype, no prefix cache, length).
 
+The tool task (``--config recipes/configs/trl_tiny_cpu_tools.yaml``): ``grpo/tiny_tools.py``'s model and product
+problems as chat prompts, trained by TRL's own multi-turn loop, ``GRPOTrainer(tools=[calculator])`` with
+``max_tool_calling_iterations``: TRL parses each turn's tool calls, runs them, appends each result's ids (its
+``tool_mask`` 0: no loss, no importance weight) and generates the next turn from the ids so far. The tool model's
+chat template is Qwen3's without thinking blocks, which TRL's ``add_response_schema`` does not know:
+:func:`tool_tokenizer` gives its tokenizer the response template TRL parses turns with.
+
 Output: ``<output_dir>/<run_name>/`` (``runs/trl-tiny-cpu/`` with the CPU config): ``metrics.jsonl``, one line per
 rollout under the standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` lists them),
 ``config.yaml`` (resolved) and ``adapter/``.
@@ -50,6 +57,11 @@ from transformers import TrainerCallback  # noqa: E402
 from grpo.data import load_reward_funcs  # noqa: E402
 from grpo.parallel import reduce_across_ranks  # noqa: E402
 from grpo.tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
+from grpo.tiny_tools import build_tool_model  # noqa: E402
+from grpo.tools import load_tools  # noqa: E402
+
+TOOL_MODEL = "tiny-tools"  # build_tiny: the tool task's model (grpo.tiny_tools.build_tool_model)
+DATASETS = ("generated", "generated-tools")  # the standalone recipe's data.name for the two embedded tasks
 
 
 @dataclass
@@ -59,15 +71,31 @@ class TinyGsm8kArguments:
     build_tiny: str | None = field(
         default="tiny",
         metadata={
-            "help": "build the embedded model of this size (tiny_gsm8k.SIZES) at model_name_or_path first unless "
-            "cached; null (or none) to use model_name_or_path as it is"
+            "help": "build the embedded model of this size (tiny_gsm8k.SIZES, or tiny-tools: the tool task's, "
+            "grpo/tiny_tools.py) at model_name_or_path first unless cached; null (or none) to use "
+            "model_name_or_path as it is"
         },
     )
     build_seed: int = field(default=0, metadata={"help": "seed of the embedded model's build"})
-    num_generated: int = field(default=4096, metadata={"help": "generated GSM8K-style problems to train on"})
+    dataset: str = field(
+        default="generated",
+        metadata={
+            "help": "generated: GSM8K-style problems as plain-text prompts (grpo/tiny_gsm8k.py); generated-tools: "
+            "the tool task's products as chat prompts, with an answer column (grpo/tiny_tools.py)",
+            "choices": list(DATASETS),
+        },
+    )
+    num_generated: int = field(default=4096, metadata={"help": "generated problems to train on"})
     reward_funcs: list[str] = field(
         default_factory=lambda: ["grpo.rewards:gsm8k_exact_answer_reward"],
         metadata={"help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"},
+    )
+    tools: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "tools TRL's GRPOTrainer lets the model call (its tools argument), as module:function, e.g. "
+            "grpo.tool_functions:calculator; needs chat prompts (dataset: generated-tools)"
+        },
     )
     sync: str = field(
         default="merged_lora_params",
@@ -83,8 +111,19 @@ class TinyGsm8kArguments:
     def __post_init__(self):
         if self.build_tiny in ("", "null", "none", "None"):  # how a command line spells None
             self.build_tiny = None
-        if self.build_tiny is not None and self.build_tiny not in SIZES:
-            raise ValueError(f"build_tiny={self.build_tiny!r} is not one of {sorted(SIZES)} or null")
+        if self.build_tiny is not None and self.build_tiny not in (*SIZES, TOOL_MODEL):
+            raise ValueError(f"build_tiny={self.build_tiny!r} is not one of {sorted(SIZES) + [TOOL_MODEL]} or null")
+        tool_task = self.dataset == "generated-tools"
+        if self.build_tiny is not None and (self.build_tiny == TOOL_MODEL) != tool_task:
+            raise ValueError(
+                f"build_tiny={self.build_tiny!r} builds the model of the other task than dataset={self.dataset!r} "
+                f"(build_tiny: {TOOL_MODEL} goes with dataset: generated-tools)"
+            )
+        if self.tools and not tool_task:
+            raise ValueError(
+                f"tools={self.tools} need chat prompts, and dataset={self.dataset!r} gives plain text: TRL parses "
+                "tool calls only in conversational completions (dataset: generated-tools)"
+            )
 
 
 class CallTimer:
@@ -105,8 +144,9 @@ class CallTimer:
 class TokenLogprobCheck:
     """Stands in for the trainer's ``_generate_and_score_completions`` (on the instance) and records this project's
     |vLLM - trainer| check on the tokens TRL trains on: |``old_per_token_logps`` - ``sampling_per_token_logps``|
-    over the completion mask, mean and max over every process's tokens at once (a collective: every process
-    generates). ``checks``: (mean, max) per generation."""
+    over the completion mask (times TRL's ``tool_mask`` in tool episodes: tool tokens were not sampled, their
+    engine log-prob is a 0 placeholder), mean and max over every process's tokens at once (a collective: every
+    process generates). ``checks``: (mean, max) per generation."""
 
     def __init__(self, method):
         self.method = method
@@ -117,7 +157,8 @@ class TokenLogprobCheck:
         old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
         if old is None or sampled is None:  # TRL computed no old log-probs: nothing to compare
             return output
-        delta = (old - sampled).abs()[output["completion_mask"].bool()].double()
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        delta = (old - sampled).abs()[mask.bool()].double()
         totals = reduce_across_ranks(
             sums=dict(total=delta.sum().item(), tokens=delta.numel()),
             maxs=dict(largest=delta.max().item() if delta.numel() else 0.0),
@@ -141,8 +182,10 @@ class RolloutMetrics(TrainerCallback):
     clip_frac                  mean of TRL's ``clip_ratio/region_mean`` over the rollout's optimizer steps
     rollout_logprob_diff_mean  TRL's ``sampling/sampling_logp_difference/mean`` (|vLLM - trainer| per token,
     rollout_logprob_diff_max   averaged per process, then over processes) and ``.../max``
-    rollout_tokens             ``completions/mean_length`` x completions per rollout (all processes)
-    rollout_s, sync_s          wall time of ``vllm_generation.generate`` and ``.sync_weights`` (max over processes)
+    rollout_tokens             ``completions/mean_length`` x completions per rollout (all processes; in tool
+                               episodes TRL counts the model's tokens only)
+    rollout_s, sync_s          wall time of ``vllm_generation.generate`` (every turn's call) and ``.sync_weights``
+                               (max over processes)
     rollout_tokens_per_s       rollout_tokens / rollout_s
     step_s, update_s           the rollout's optimizer steps, wall; update_s = step_s - sync_s - rollout_s
                                (rewards, old log-probs and the optimizer steps)
@@ -154,6 +197,8 @@ class RolloutMetrics(TrainerCallback):
     token_logprob_diff_max     once (TRL's mean is each process's mean, averaged): `TokenLogprobCheck`
     sync_bytes                 bytes the rollout's sync sent (server mode; the main process's last sync)
     adapter_factor_bytes       the adapter's LoRA factor bytes (lora_A + lora_B parameters, whole)
+    tools/call_frequency       tool runs only: TRL's tool calls per episode and failed calls over calls, under
+    tools/failure_frequency    TRL's (and the standalone recipe's) names
 
     TRL does not log the PPO ratio, so ``ratio_mean``/``ratio_min``/``ratio_max`` are absent. Extra keys:
     ``trainer`` ("trl") and ``sync`` (which sync ran), so plots can tell the runs apart.
@@ -210,6 +255,8 @@ class RolloutMetrics(TrainerCallback):
         values = [logs[key] for logs in self.window if logs.get(key) is not None]
         return sum(values) / len(values) if values else None
 
+    TOOL_KEYS = ("tools/call_frequency", "tools/failure_frequency")
+
     def summarize(self, global_step: int) -> dict:
         step_s = time.perf_counter() - self.window_start
         memory = (
@@ -228,6 +275,7 @@ class RolloutMetrics(TrainerCallback):
         rollout_s, sync_s, step_s, peak_mem_gb = (slowest[k] for k in ("rollout_s", "sync_s", "step_s", "peak_mem_gb"))
         mean_length = self.first("completions/mean_length")
         rollout_tokens = round(mean_length * self.completions_per_rollout) if mean_length is not None else None
+        tools = {key: value for key in self.TOOL_KEYS if (value := self.first(key)) is not None}
         return dict(
             rollout_step=math.ceil(global_step / self.steps_per_rollout),
             global_step=global_step,
@@ -254,6 +302,7 @@ class RolloutMetrics(TrainerCallback):
             peak_mem_gb=peak_mem_gb,
             loss=self.mean("loss"),
             lr=self.window[-1].get("learning_rate"),
+            **tools,
         )
 
 
@@ -264,6 +313,41 @@ def problems_dataset(num_problems: int, seed: int):
     return Dataset.from_list(
         [dict(prompt=format_prompt(p["question"]), answer=p["answer"]) for p in make_problems(num_problems, seed=seed)]
     )
+
+
+def tool_problems_dataset(num_problems: int, seed: int):
+    """The tool task's problems as TRL wants them: a conversational ``prompt`` (the question as the user's message;
+    TRL's chat template lists the tools beside it), ``answer`` for the reward (scored on the episode's last turn)."""
+    from datasets import Dataset
+
+    from grpo.tiny_tools import make_tool_problems, prompt_messages
+
+    return Dataset.from_list(
+        [
+            dict(prompt=prompt_messages(p["question"]), answer=p["answer"])
+            for p in make_tool_problems(num_problems, seed=seed)
+        ]
+    )
+
+
+def tool_tokenizer(model_name_or_path: str):
+    """The model's tokenizer, able to parse the turns TRL's tool loop reads calls from (``parse_response``).
+
+    TRL sets a response template only for the chat templates of released models (``add_response_schema``); the
+    tool model's (``grpo.tiny_tools.CHAT_TEMPLATE``) is Qwen3's without thinking blocks, so it gets TRL's
+    ``qwen3_template`` without its thinking field: an assistant turn is content, then ``<tool_call>`` JSON blocks,
+    then ``<|im_end|>``. Any other tokenizer is left to TRL.
+    """
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    from grpo.tiny_tools import CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    if tokenizer.chat_template == CHAT_TEMPLATE and getattr(tokenizer, "response_template", None) is None:
+        fields = {name: spec for name, spec in qwen3_template["fields"].items() if name != "reasoning_content"}
+        tokenizer.response_template = {**qwen3_template, "fields": fields}
+    return tokenizer
 
 
 def refuse_unjoined_processes(trainer) -> None:
@@ -277,8 +361,9 @@ def refuse_unjoined_processes(trainer) -> None:
         )
 
 
-def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
-    """TRL's GRPOTrainer on the embedded default, its colocated engine built with the recipe's engine settings."""
+def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args, tools: list | None = None):
+    """TRL's GRPOTrainer on the embedded default (or the tool task, ``tools`` given: TRL's multi-turn loop), its
+    colocated engine built with the recipe's engine settings."""
     from trl import GRPOTrainer, get_peft_config
 
     from merge.trl import lora_merge_server_client, vllm_engine_kwargs
@@ -291,8 +376,10 @@ def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
     )
     if model_args.dtype not in (None, "auto"):
         engine["dtype"] = model_args.dtype  # vLLM's "auto" would serve an fp32 checkpoint in bf16
-    dataset = problems_dataset(script_args.num_generated, training_args.seed)
+    make_dataset = tool_problems_dataset if script_args.dataset == "generated-tools" else problems_dataset
+    dataset = make_dataset(script_args.num_generated, training_args.seed)
     rewards = load_reward_funcs(script_args.reward_funcs)
+    multi_turn = dict(tools=tools, processing_class=tool_tokenizer(model_args.model_name_or_path)) if tools else {}
     server = training_args.vllm_mode == "server"  # the engine settings are the server's own then
     with vllm_engine_kwargs(**engine), lora_merge_server_client() if server else contextlib.nullcontext():
         return GRPOTrainer(
@@ -301,6 +388,7 @@ def build_trainer(script_args: TinyGsm8kArguments, training_args, model_args):
             args=training_args,
             train_dataset=dataset,
             peft_config=get_peft_config(model_args),
+            **multi_turn,
         )
 
 
@@ -329,12 +417,18 @@ def setup(argv: list[str] | None = None):
     run_dir = Path(training_args.output_dir) / training_args.run_name
     training_args.output_dir = str(run_dir)  # TRL's own files (checkpoints, if asked for) go into the run folder
 
+    tools = load_tools(script_args.tools)  # a tool that cannot be imported or described: refused before any work
     if script_args.build_tiny:  # the first process builds (cached on disk), the others then reuse it
         with training_args.main_process_first(desc="build the embedded model"):
-            build_tiny_model(model_args.model_name_or_path, size=script_args.build_tiny, seed=script_args.build_seed)
+            if script_args.build_tiny == TOOL_MODEL:
+                build_tool_model(model_args.model_name_or_path, seed=script_args.build_seed)
+            else:
+                build_tiny_model(
+                    model_args.model_name_or_path, size=script_args.build_tiny, seed=script_args.build_seed
+                )
     if training_args.vllm_mode == "server":
         check_server_settings(training_args, model_args)
-    trainer = build_trainer(script_args, training_args, model_args)
+    trainer = build_trainer(script_args, training_args, model_args, tools)
     refuse_unjoined_processes(trainer)
     installed = use_merged_lora_sync(trainer) if script_args.sync == "merged_lora_params" else None
     trainer._generate_and_score_completions = logprob_check = TokenLogprobCheck(trainer._generate_and_score_completions)

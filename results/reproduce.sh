@@ -69,6 +69,7 @@ tools=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_tools.yaml out
 serve_tiny float32 tiny-cpu-tools-server cache/tiny-qwen3-tools 192
 "${launch[@]}" "${tools[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 run_name=tiny-cpu-tools-server
 kill $server; wait $server || true
+"${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_tools.yaml --output_dir results
 .venv/bin/python recipes/plot_tools.py results/tiny-cpu-tools results/tiny-cpu-tools-retokenized \
     results/tiny-cpu-tools-server --out results/grpo_tools.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \

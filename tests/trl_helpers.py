@@ -97,8 +97,10 @@ def randomize_lora_b(model, seed: int = 0, std: float = 0.02) -> None:
 
 
 def digit_fraction_reward(completions, **kwargs) -> list[float]:
-    """TRL reward function: the fraction of digits in the completion (dense, so every group has reward variance)."""
-    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+    """TRL reward function: the fraction of digits in the completion (dense, so every group has reward variance); of
+    its last message's content where completions are chat messages."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in texts]
 
 
 def sampled_vs_policy(trainer, generation, prompts: list[list[int]], num_generations: int):
