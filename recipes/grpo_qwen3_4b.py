@@ -59,7 +59,8 @@ def exit_with_line(err: Exception, code: int, every_rank: bool = False) -> None:
     names it instead of "To enable traceback see ..." (the launcher still exits 1 with its own summary)."""
     line = f"error: {err}"
     if every_rank or int(os.environ.get("RANK", "0")) == 0:
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")  # one write: lines of ranks that stop at once do not interleave
+        sys.stderr.flush()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         import json
