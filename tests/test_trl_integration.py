@@ -22,6 +22,7 @@ from trl_helpers import (  # noqa: E402
     merged_copy,
     params_digest,
     randomize_lora_b,
+    record_syncs,
     sampled_vs_policy,
 )
 
@@ -123,16 +124,8 @@ def fp32_run(tiny_model, tmp_path_factory, trl_process):
     model = trainer.model
     randomize_lora_b(model)
     generation = trainer.vllm_generation
-    timed_sync = generation.sync_weights  # the recipe's timer around merge.trl's MergedLoraSync
-    syncs = []
-
-    def checked_sync():
-        before = params_digest(model)
-        timed_sync()
-        lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-        syncs.append(SimpleNamespace(before=before, after=params_digest(model), lora=lora))
-
-    generation.sync_weights = checked_sync
+    timed_sync = trainer.vllm_generation.sync_weights  # the recipe's timer around merge.trl's MergedLoraSync
+    syncs = record_syncs(trainer)
     trainer.train()
     metrics = [json.loads(line) for line in (out / "fp32" / "metrics.jsonl").read_text().splitlines()]
     return SimpleNamespace(

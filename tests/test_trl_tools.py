@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from trl_helpers import completion_logprobs, params_digest, randomize_lora_b  # noqa: E402
+from trl_helpers import completion_logprobs, randomize_lora_b, record_syncs  # noqa: E402
 
 from merge.trl import MergedLoraSync  # noqa: E402
 
@@ -93,18 +93,10 @@ def tool_run(tiny_tool_model, tmp_path_factory):
     try:
         out = tmp_path_factory.mktemp("trl-tools")
         trainer = grpo_trl.setup(recipe_argv(out, tiny_tool_model))
-        model, generation = trainer.model, trainer.vllm_generation
+        model = trainer.model
         randomize_lora_b(model)  # the adapter changes the policy from the first sync on
-        timed_sync = generation.sync_weights  # the recipe's timer around merge.trl's MergedLoraSync
-        syncs = []
-
-        def checked_sync():
-            before = params_digest(model)
-            timed_sync()
-            lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-            syncs.append(SimpleNamespace(before=before, after=params_digest(model), lora=lora))
-
-        generation.sync_weights = checked_sync
+        timed_sync = trainer.vllm_generation.sync_weights  # the recipe's timer around merge.trl's MergedLoraSync
+        syncs = record_syncs(trainer)
         trainer._generate = scores = EpisodeScores(trainer)
         trainer.train()
         metrics = [json.loads(line) for line in (out / "tools" / "metrics.jsonl").read_text().splitlines()]

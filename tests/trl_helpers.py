@@ -115,3 +115,21 @@ def sampled_vs_policy(trainer, generation, prompts: list[list[int]], num_generat
     with model.disable_adapter():
         without = torch.cat([completion_logprobs(model, p, list(c)) for p, c in zip(prompts, completions)])
     return sampled, with_adapter, without
+
+
+def record_syncs(trainer) -> list:
+    """Wrap the trainer's weight sync (the recipe's timer around merge.trl's MergedLoraSync) so that each sync
+    records the trainer's parameter digest before and after it and its LoRA weights; returns the record list."""
+    from types import SimpleNamespace
+
+    model, generation = trainer.model, trainer.vllm_generation
+    timed_sync, syncs = generation.sync_weights, []
+
+    def checked_sync():
+        before = params_digest(model)
+        timed_sync()
+        lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+        syncs.append(SimpleNamespace(before=before, after=params_digest(model), lora=lora))
+
+    generation.sync_weights = checked_sync
+    return syncs
