@@ -17,6 +17,7 @@ import socket
 import subprocess
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -103,6 +104,15 @@ def fsdp_settings(env=os.environ) -> FSDPSettings:
     )
 
 
+# How long a rank waits for the others in a collective before the group gives up (torch's defaults: 10 min for NCCL,
+# 30 for gloo). The longest legitimate wait is server mode's first sync: ranks 1..N wait for rank 0 in the sync's
+# collective while the server's workers read their pristine base from the checkpoint (and download it where the
+# server has no local copy), then the factors travel and the server merges them; each of those three HTTP calls may
+# take up to 600 s (the sync's HTTP timeout): 30 minutes in all, and 40 leave room for the gathers around them. A rank
+# that fails in a sync tells the others at once (`ServerEngine.sync_policy`), so only a rank that hangs is waited for
+# this long.
+COLLECTIVE_TIMEOUT = timedelta(minutes=40)
+
 # The oldest NVIDIA driver (Linux) that runs a CUDA build of each major version: NVIDIA's CUDA Toolkit release notes,
 # "CUDA Toolkit and Minimum Required Driver Version for CUDA Minor Version Compatibility". torch 2.13.0 and vLLM
 # 0.32.0 from PyPI are CUDA 13 builds.
@@ -172,7 +182,9 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=COLLECTIVE_TIMEOUT
+        )
         return dist.get_rank(), world, device
     return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
 

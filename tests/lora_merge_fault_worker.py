@@ -57,7 +57,7 @@ def main(out_path: str) -> None:
         LoraMergeWeightTransferEngine._merged = merged_with_a_fault
         faults.clear()
         if not restore:
-            LoraMergeWeightTransferEngine._restore = lambda engine: False
+            LoraMergeWeightTransferEngine._restore = lambda engine, part_way: False
         try:
             trainer.send_weights(second, weight_version="2")
             result[f"error_{restore}"] = None

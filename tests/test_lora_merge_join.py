@@ -11,6 +11,10 @@ with the behaviour these tests rely on, read off torch 2.13's ProcessGroupNCCL.h
   lifts them with ``unpinned_nccl_env`` around the communicators it shares with a trainer, nccl_common.py);
 - later collectives are enqueued, polled with ``is_completed`` (`wait`).
 gloo runs as itself.
+
+The backend's contract with vLLM 0.32 (its own weight-transfer tests check their backends' update infos alike): the
+worker engines run in threads behind `InProcessServer`, vLLM's RL routes with its worker's bookkeeping of an update,
+the model's reload stood in for.
 """
 
 from __future__ import annotations
@@ -240,8 +244,8 @@ def test_a_worker_that_cannot_take_part_in_an_update_fails_every_rank_naming_it_
         engine = engines[rank] = object.__new__(LoraMergeWeightTransferEngine)  # the wire only: no vLLM model
         engine.transport, engine.rank, engine.world_size = "gloo", rank, 3
         engine.group, engine.trainer_store = connect("127.0.0.1", port, rank, 3, "gloo", 30, "init")
-        buffers = {"float32": 8} if rank == 1 else {"float99": 8}  # rank 2 cannot allocate its buffer
-        engine.receive_weights(LoraMergeUpdateInfo(entries=[], buffers=buffers))
+        buffers = {"float32": 8} if rank == 1 else {"float32": 2**62}  # rank 2 cannot allocate its buffer
+        engine.receive_weights(LoraMergeUpdateInfo(entries=[], buffers=buffers, round=3))
 
     workers = in_threads(worker, [1, 2])
     group, store = connect("127.0.0.1", port, 0, 3, "gloo", 30, "init", pending_call=Future())
@@ -252,13 +256,13 @@ def test_a_worker_that_cannot_take_part_in_an_update_fails_every_rank_naming_it_
     assert 0 not in control
     start = time.monotonic()
     with pytest.raises(
-        WeightTransferError, match="worker of rank 2 failed: lora_merge update: AttributeError.*float99"
-    ):
-        wire.wait(work, "update", transport="gloo", pending_call=Future(), store=store)  # the store: rank 2's failure
+        WeightTransferError, match="worker of rank 2 failed: lora_merge update: RuntimeError.*4611686018427387904"
+    ):  # the store of update 3: rank 2's failure
+        wire.wait(work, "update", transport="gloo", pending_call=Future(), store=wire.round_store(store, 3))
     assert time.monotonic() - start < 5
     workers["join"](10)
     assert workers[1] is None  # over gloo worker 1 receives from the trainer alone (over NCCL: rank 2's failure)
-    assert "float99" in str(workers[2])
+    assert "4611686018427387904" in str(workers[2])
     engines.clear()  # rank 2's group closes: the broadcast left waiting fails, no thread outlives the test
     control["join"](10)
     assert 0 in control
@@ -328,3 +332,302 @@ def test_a_worker_on_the_trainers_gpu_refuses_before_any_communicator_naming_it(
         assert all(g.rank == 0 and not g.ops for g in nccl.groups)  # the worker made none; no communicator exists
         workers["join"](5)
         assert isinstance(workers[1], WeightTransferError) and "GPU-0" in str(workers[1])
+
+
+# ----------------------------------------------------------------------------- the backend's contract with vLLM
+SHAPE = [4, 6]  # the one declared target, "w": its base is all ones
+
+
+def update_info(**changes) -> dict:
+    """A valid update of "w" (B: 4 x 2 at offset 0, A: 2 x 6 at offset 8 of one float32 buffer), with ``changes``."""
+    entry = {"target": "w", "kind": "lora", "scale": 1.0, "transpose": False}
+    entry.update(b=["float32", 0, [4, 2]], a=["float32", 8, [2, 6]])
+    info = {"entries": [entry], "buffers": {"float32": 20}, "round": 1}
+    for key, value in changes.items():
+        (entry if key in entry else info)[key] = value
+    return info
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"buffers": {"float99": 20}}, "buffer dtype 'float99' is not the name of a torch floating-point dtype"),
+        ({"buffers": {"int8": 20}}, "buffer dtype 'int8'"),
+        ({"buffers": {"float32": -1}}, "the float32 buffer's size -1 is not a non-negative integer"),
+        (
+            {"a": ["float32", 10, [2, 6]]},
+            r"w: slot a=\['float32', 10, \[2, 6\]\] ends at 22, past the float32 buffer's 20",
+        ),
+        ({"b": ["bfloat16", 0, [4, 2]]}, r"w: slot b=\['bfloat16', 0, \[4, 2\]\] is not \[dtype of a buffer"),
+        ({"b": ["float32", 0, [4, 3]]}, r"w: factors of shapes b=\[4, 3\], a=\[2, 6\] do not make B @ A"),
+        ({"kind": "delta"}, "w: kind 'delta' is not one of"),
+        ({"round": -2}, "update round=-2"),
+    ],
+)
+def test_an_update_is_checked_before_anything_is_received_naming_the_bad_value(changes, named):
+    from merge.lora_merge import LoraMergeUpdateInfo
+
+    LoraMergeUpdateInfo(**update_info())  # the control: valid
+    with pytest.raises(ValueError, match=named):
+        LoraMergeUpdateInfo(**update_info(**changes))
+
+
+class RecordingGroup:
+    """A group that records the collectives issued on it (each completes at once)."""
+
+    def __init__(self) -> None:
+        self.issued: list[str] = []
+
+    def broadcast(self, tensors, options=None) -> Enqueued:
+        self.issued.append("broadcast")
+        return Enqueued()
+
+
+def worker_engine(rank: int = 1, workers: int = 1, **parallel):
+    """The lora_merge worker engine over a stand-in vLLM config (``parallel``: ParallelConfig's fields)."""
+    from types import SimpleNamespace
+
+    from merge.lora_merge import LoraMergeWeightTransferEngine
+
+    parallel_config = SimpleNamespace(data_parallel_index=0, world_size=workers, rank=rank - 1, **parallel)
+    config = SimpleNamespace(parallel_config=parallel_config, model_config=SimpleNamespace(dtype=torch.float32))
+    return LoraMergeWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())
+
+
+def test_an_update_of_tensors_not_declared_at_init_is_refused_before_any_transfer():
+    """Refused with a ValueError naming them, and posted for the trainer waiting in the broadcast; before, the
+    worker received the update and served the base under the new version. Control: the declared target is received."""
+    store = torch.distributed.PrefixStore(
+        "lora_merge", torch.distributed.TCPStore("127.0.0.1", free_port(), 2, True, wait_for_workers=False)
+    )
+    engine = worker_engine()
+    engine.group, engine.trainer_store, engine.targets = RecordingGroup(), store, {"w": SHAPE}
+    undeclared = update_info(target="model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match="not declared at init_weight_transfer_engine: model.layers.0.mlp.up_proj"):
+        engine.update_weights(undeclared)
+    assert engine.group.issued == [] and engine.pending is None
+    posted = wire._store_failure(wire.round_store(store, 1))
+    assert "worker of rank 1 failed: lora_merge update: ValueError" in posted and "up_proj" in posted
+    with pytest.raises(ValueError, match=r"w: the update makes it \[6, 4\], declared at init as \[4, 6\]"):
+        engine.update_weights(update_info(transpose=True, round=2))  # a declared target in another shape
+    engine.update_weights(update_info(round=3))  # the control
+    assert engine.group.issued == ["broadcast"] and engine.pending is not None
+
+
+def test_a_failure_posted_in_one_update_ends_that_updates_waits_and_no_later_ones():
+    """Before, the first failure a worker posted stayed in the connection's store: every later update on the same
+    connection failed at once with that old message."""
+    store = torch.distributed.PrefixStore(
+        "lora_merge", torch.distributed.TCPStore("127.0.0.1", free_port(), 2, True, wait_for_workers=False)
+    )
+    wire.post_failure(wire.round_store(store, 1), 2, "lora_merge update: torch.OutOfMemoryError: CUDA out of memory")
+    with pytest.raises(WeightTransferError, match="rank 2 failed: lora_merge update: torch.OutOfMemoryError"):
+        wire.wait(NeverCompletes(), "update", transport="nccl", group=NcclAbort(), store=wire.round_store(store, 1))
+    later = Enqueued()  # the next update's collective, completing after the store was looked at several times
+    deadline = time.monotonic() + 3 * wire.PROBE_S
+    later.is_completed = lambda: time.monotonic() > deadline
+    wire.wait(later, "update", transport="nccl", group=NcclAbort(), store=wire.round_store(store, 2))
+
+
+def test_the_backend_takes_no_draft_model_updates():
+    """vLLM's worker retargets an engine whose class says so at a speculative draft model, which neither the pristine
+    base nor the shards describe; vLLM's base class says it does (the control)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from merge.lora_merge import LoraMergeWeightTransferEngine
+
+    assert WeightTransferEngine.supports_draft_weight_update is True
+    assert LoraMergeWeightTransferEngine.supports_draft_weight_update is False
+
+
+class InProcessServer:
+    """vLLM 0.32's RL routes over lora_merge worker engines in this process (`worker_engine`): each call runs on every
+    worker at once, as ``collective_rpc`` does, and fails with the first worker's error once all have ended. With
+    vLLM's bookkeeping of an update (gpu_worker.py): ``start_weight_update`` refused while one is active, a failed
+    ``update_weights`` ends it, a failed ``finish_weight_update`` leaves it active; and its label, set once finish
+    returned on every worker (``RLOfflineMixin.finish_weight_update``). ``served``: what each worker's last reload
+    loaded."""
+
+    def __init__(self, monkeypatch, workers: int = 2, fail_reload: set | None = None, **parallel) -> None:
+        from merge.lora_merge import LoraMergeWeightTransferEngine
+        from merge.lora_merge import worker as lora_merge_worker
+
+        self.engines = {rank: worker_engine(rank, workers, **parallel) for rank in range(1, workers + 1)}
+        self.active = dict.fromkeys(self.engines, False)
+        self.version, self.served, self.fail_reload = "0", {}, fail_reload if fail_reload is not None else set()
+
+        def reload(engine, weights):
+            weights = dict(weights)  # the merge runs for real; the model's own reload is what is stood in for
+            if engine.rank in self.fail_reload:
+                self.fail_reload.discard(engine.rank)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            self.served[engine.rank] = weights
+
+        monkeypatch.setattr(lora_merge_worker, "_reload", reload)
+        base = lambda engine, targets, device: {name: torch.ones(shape) for name, shape in targets.items()}  # noqa
+        monkeypatch.setattr(LoraMergeWeightTransferEngine, "_own_base", base)
+
+    def _on_every_worker(self, call) -> None:
+        results = in_threads(call, list(self.engines))
+        results["join"](30)
+        errors = [results[rank] for rank in self.engines if isinstance(results.get(rank), Exception)]
+        if errors:
+            raise errors[0]
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from merge.lora_merge import LoraMergeInitInfo
+
+        self._on_every_worker(lambda rank: self.engines[rank].init_transfer_engine(LoraMergeInitInfo(**init_info)))
+
+    def start_weight_update(self) -> None:
+        def start(rank):
+            if self.active[rank]:
+                raise RuntimeError("start_weight_update called while a weight update is already active")
+            self.engines[rank].start_weight_update()
+            self.active[rank] = True
+
+        self._on_every_worker(start)
+
+    def update_weights(self, update_info: dict) -> None:
+        def update(rank):
+            try:
+                self.engines[rank].update_weights(update_info)
+            except BaseException:
+                self.active[rank] = False
+                raise
+
+        self._on_every_worker(update)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        def finish(rank):
+            if not self.active[rank]:
+                raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+            self.engines[rank].finish_weight_update()
+            self.active[rank] = False
+
+        self._on_every_worker(finish)
+        if weight_version is not None:
+            self.version = weight_version
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
+
+
+def lora(seed: int, **changes):
+    """An update of "w" (rank 2), as `lora_update` makes it from a peft model."""
+    from merge.lora_merge import LoraUpdate
+
+    generator = torch.Generator().manual_seed(seed)
+    b, a = torch.randn(SHAPE[0], 2, generator=generator), torch.randn(2, SHAPE[1], generator=generator)
+    update = LoraUpdate()
+    update.add({"target": "w", "kind": "lora", "scale": 0.5, "transpose": False, **changes}, [b, a], SHAPE)
+    return update, torch.ones(SHAPE) + 0.5 * b @ a
+
+
+@pytest.fixture
+def trainer_of(monkeypatch):
+    """A lora_merge trainer driving an `InProcessServer`; ``send_weights`` takes a `LoraUpdate` in place of a model."""
+    from merge.lora_merge import LoraMergeTrainer, LoraMergeTrainerInitInfo
+    from merge.lora_merge import trainer as lora_merge_trainer
+
+    monkeypatch.setattr(lora_merge_trainer, "lora_update", lambda update: update)
+    made = []
+
+    def make(server: InProcessServer) -> LoraMergeTrainer:
+        info = LoraMergeTrainerInitInfo(rank=0, num_workers=len(server.engines), timeout_s=30, precision_stats=False)
+        made.append((LoraMergeTrainer(client=server, init_info=info), server))
+        return made[-1][0]
+
+    yield make
+    for trainer, server in made:
+        trainer.shutdown()
+        server.close()
+
+
+def served(server: InProcessServer) -> dict:
+    return {rank: weights["w"] for rank, weights in server.served.items()}
+
+
+def test_a_retry_after_a_worker_failure_and_after_a_refused_update_succeeds(trainer_of, monkeypatch):
+    """A worker that cannot allocate the update's buffer posts its failure; an update naming a tensor not declared at
+    init is refused by every worker before the transfer. Each time the trainer stops naming it, gives up its group,
+    and the next sync connects anew and lands, its label naming what is served. Before, the trainer kept a group with
+    a broadcast still in flight and the failure stayed posted: the next sync failed at once with the old message."""
+    from merge.lora_merge import LoraMergeWeightTransferEngine, WeightTransferError
+
+    class OutOfMemoryOnce(LoraMergeWeightTransferEngine):
+        fail = False
+
+        @property
+        def wire_device(self):
+            if self.fail:
+                self.fail = False
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().wire_device
+
+    server = InProcessServer(monkeypatch)
+    server.engines[2].__class__ = OutOfMemoryOnce
+    trainer = trainer_of(server)
+    update, first = lora(1)
+    trainer.send_weights(update, weight_version="1")  # the control
+    assert server.version == "1" and all(torch.allclose(w, first) for w in served(server).values())
+
+    server.engines[2].fail = True
+    with pytest.raises(WeightTransferError, match="worker of rank 2 failed: lora_merge update: OutOfMemoryError"):
+        trainer.send_weights(lora(2)[0], weight_version="2")
+    assert trainer.group is None and server.version == "1"
+    assert all(torch.allclose(w, first) for w in served(server).values())
+    start = time.monotonic()
+    update, third = lora(3)
+    trainer.send_weights(update, weight_version="3")  # the retry
+    assert time.monotonic() - start < 10
+    assert server.version == "3" and all(torch.allclose(w, third) for w in served(server).values())
+
+    refused, _ = lora(4, target="model.layers.0.mlp.up_proj.weight")
+    refused.shapes = {"w": SHAPE}  # what the trainer checks itself: the tensors the worker refuses come through
+    with pytest.raises(WeightTransferError, match="ValueError: lora_merge: the update names 1 tensor.*up_proj"):
+        trainer.send_weights(refused, weight_version="4")
+    assert trainer.group is None and server.version == "3"
+    update, fifth = lora(5)
+    trainer.send_weights(update, weight_version="5")  # the retry
+    assert server.version == "5" and all(torch.allclose(w, fifth) for w in served(server).values())
+
+
+def test_a_finish_that_fails_on_one_worker_leaves_every_worker_on_the_labelled_version(trainer_of, monkeypatch):
+    """Worker 2's reload fails (out of memory) while worker 1's succeeds: vLLM keeps the previous label, so worker 1
+    serves the previous version again and the retry rebuilds from it. Before, worker 1 kept serving the failed
+    update's weights under the previous label, beside worker 2's previous ones."""
+    from merge.lora_merge import WeightTransferError
+
+    server = InProcessServer(monkeypatch)
+    trainer = trainer_of(server)
+    update, first = lora(1)
+    trainer.send_weights(update, weight_version="1")
+    server.fail_reload.add(2)
+    with pytest.raises(WeightTransferError, match="worker of rank 2 failed: OutOfMemoryError: CUDA out of memory"):
+        trainer.send_weights(lora(2)[0], weight_version="2")
+    assert server.version == "1"
+    assert all(torch.allclose(w, first) for w in served(server).values())  # worker 1 too: it restored version 1
+    assert all(
+        engine.applied is not None and engine.applied[0][0]["target"] == "w" for engine in server.engines.values()
+    )
+    update, third = lora(3)
+    trainer.send_weights(update, weight_version="3")  # the control: every worker's finish succeeds
+    assert server.version == "3" and all(torch.allclose(w, third) for w in served(server).values())
+
+
+def test_a_server_with_expert_load_balancing_is_refused_at_connect_naming_the_flag(trainer_of, monkeypatch):
+    """``--enable-eplb`` (and its redundant experts) moves experts between workers at runtime; each worker's shard of
+    the base is fixed at connect. Control: the same server without it connects."""
+    from types import SimpleNamespace
+
+    from merge.lora_merge import WeightTransferError
+
+    eplb = SimpleNamespace(num_redundant_experts=2)
+    refused = trainer_of(InProcessServer(monkeypatch, enable_eplb=True, eplb_config=eplb))
+    with pytest.raises(WeightTransferError, match=r"rank 1 failed: the server runs with --enable-eplb \(2 redundant"):
+        refused.send_weights(lora(1)[0], weight_version="1")
+    server = InProcessServer(monkeypatch, enable_eplb=False, eplb_config=SimpleNamespace())
+    trainer_of(server).send_weights(lora(1)[0], weight_version="1")
+    assert server.version == "1"

@@ -27,7 +27,7 @@ import requests
 import torch
 from bench_common import free_port, serve, wait_until_up
 from recipe_runs import launch, launch_command, launch_env, read_metrics
-from torchrun import WORKER_ENV, vllm_worker
+from torchrun import WORKER_ENV, torchrun, vllm_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
@@ -368,6 +368,7 @@ class FakeServer:
             "model_config": {"logprobs_mode": "processed_logprobs", "dtype": "torch.float32", "max_model_len": 256},
             "cache_config": {"enable_prefix_caching": False},
         }
+        self.posts: list[str] = []  # every POST's path and query, in order
         self.released = threading.Event()  # lets the requests left hanging go at stop()
         self.generating = threading.Semaphore(0)  # released once per generation request received
         fake = self
@@ -394,6 +395,7 @@ class FakeServer:
                 self.reply(200, answers.get(self.path.split("?")[0], {}))
 
             def do_POST(self):
+                fake.posts.append(self.path)
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if self.path == "/collective_rpc":
                     self.reply(200 if backend else 500, {})
@@ -559,6 +561,48 @@ def test_the_recipes_server_settings_reach_the_lora_merge_trainer(tokenizer_dir,
         fake.stop()
 
 
+SYNC_ROUTES = ("/pause", "/resume", "/start_weight_update", "/update_weights", "/finish_weight_update")
+
+
+@pytest.mark.parametrize(
+    "pause_mode, data_parallel, paused",
+    [("keep", 2, "whole update"), ("keep", 1, "finish"), ("wait", 2, "finish")],
+    ids=["async-dp2", "async-dp1", "sync-dp2"],
+)
+def test_a_data_parallel_server_generating_during_a_sync_is_paused_for_the_whole_update(
+    tokenizer_dir, monkeypatch, pause_mode, data_parallel, paused
+):
+    """A mixture-of-experts server with data parallelism steps its engines in lockstep and takes the update's calls
+    between steps: with max_staleness >= 1 (pause mode "keep") it is generating, and one engine in the factors'
+    broadcast would wait for good on another in a step's collective. So it is paused before /start_weight_update.
+    Controls: without data parallelism, or synchronous (nothing in flight), only /finish_weight_update is paused."""
+    from grpo.engines.server import ServerEngine
+    from merge.lora_merge import LoraMergeTrainer
+
+    def send_weights(trainer, model, weight_version=None):  # the update's calls, in `LoraMergeTrainer`'s order
+        trainer.client.start_weight_update()
+        trainer.client.update_weights({"entries": [], "buffers": {}, "round": 1})
+        trainer.client.finish_weight_update(weight_version)
+        trainer.last_sync = {"sync_bytes": 0.0}
+        return {}
+
+    monkeypatch.setattr(LoraMergeTrainer, "send_weights", send_weights)
+    fake = FakeServer(backend=True)
+    fake.server_info["parallel_config"] = {"data_parallel_size": data_parallel}
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir, pause_mode=pause_mode)
+        engine.sync_policy(None, None, version=3, rank=0)
+        calls = [path for path in fake.posts if path.split("?")[0] in SYNC_ROUTES]
+        pause = f"/pause?mode={pause_mode}"
+        expected = {
+            "whole update": [pause, "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"],
+            "finish": ["/start_weight_update", "/update_weights", pause, "/finish_weight_update", "/resume"],
+        }
+        assert calls == expected[paused], calls
+    finally:
+        fake.stop()
+
+
 def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_dir):
     from vllm import SamplingParams
 
@@ -668,6 +712,21 @@ def test_a_server_gone_during_a_sync_stops_naming_the_url_and_how_to_resume(toke
         assert engine.version is None  # nothing is generated on weights the server may not hold
     finally:
         fake.stop()
+
+
+def test_a_failure_on_rank_0_during_a_sync_stops_every_rank_within_seconds(tmp_path):
+    """tests/server_sync_worker.py, 2 processes: rank 0 raises a plain RuntimeError in its side of a sync (not a
+    `ServerError`). Rank 0 raises it; rank 1, waiting for rank 0 in the sync's collective, stops at once with one line
+    naming it, instead of waiting out the process group's timeout. Neither takes the version as served. The control,
+    the sync before, gives both ranks rank 0's figures."""
+    torchrun("server_sync_worker.py", str(tmp_path), ok_marker="sync failure OK", timeout=300)
+    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert first["type"] == "RuntimeError" and first["message"].startswith("injected: the TCPStore could not bind")
+    assert second["type"] == "SyncError" and "ServerError" in second["bases"]  # the recipe's one-line stop
+    expected = "rank 0 failed during the weight sync: RuntimeError: injected: the TCPStore could not bind (address"
+    assert second["message"].startswith(expected) and "\n" not in second["message"], second
+    assert first["seconds"] < 10 and second["seconds"] < 10, (first, second)
+    assert first["version"] == second["version"] == "1"
 
 
 def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_tensor(server, tmp_path):

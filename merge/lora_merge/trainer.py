@@ -41,6 +41,7 @@ from merge.lora_merge.wire import (
     free_port,
     local_address_towards,
     recv_reply,
+    round_store,
     wait,
     wire_device,
 )
@@ -53,17 +54,25 @@ class HTTPPausingWeightSyncClient:
     in flight finish on the previous weights first; the prefix cache is cleared) or "keep" (requests in flight are
     frozen between two decode steps and continue on the new weights with the KV cache they have: asynchronous
     rollouts). Only the merge is paused: a trainer that dies while it gathers or sends the factors leaves the server
-    serving its last complete version, not paused."""
+    serving its last complete version, not paused.
 
-    def __init__(self, base_url: str, timeout: float = 600.0, pause_mode: str = "wait") -> None:
+    ``pause_whole_update``: pause before ``/start_weight_update`` instead, so that the whole update runs paused. A
+    mixture-of-experts server with data parallelism steps its engines in lockstep (vLLM's ``DPEngineCoreProc``: a
+    collective every step, dummy steps on an engine without requests), and each engine takes the update's calls
+    between its steps: one engine's workers waiting in the factors' broadcast while another engine waits in a step's
+    collective would wait for each other for good. A server that is generating during the update (``pause_mode``
+    "keep", with data parallelism) needs it; vLLM's pause stops every engine's stepping first, together."""
+
+    def __init__(
+        self, base_url: str, timeout: float = 600.0, pause_mode: str = "wait", pause_whole_update: bool = False
+    ) -> None:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
         if pause_mode not in ("wait", "keep"):
             raise ValueError(f"{BACKEND}: pause_mode={pause_mode!r} is not one of 'wait', 'keep'")
-        self.pause_mode = pause_mode
+        self.pause_mode, self.pause_whole_update = pause_mode, pause_whole_update
         self.http = HTTPVLLMWeightSyncClient(base_url, timeout=timeout)
         self.init_weight_transfer_engine = self.http.init_weight_transfer_engine
-        self.start_weight_update = self.http.start_weight_update
         self.update_weights = self.http.update_weights
 
     def _post(self, path: str, **kwargs) -> None:
@@ -71,8 +80,14 @@ class HTTPPausingWeightSyncClient:
 
         requests.post(f"{self.http.base_url}{path}", timeout=self.http.timeout, **kwargs).raise_for_status()
 
+    def start_weight_update(self) -> None:
+        if self.pause_whole_update:
+            self._post("/pause", params={"mode": self.pause_mode})
+        self.http.start_weight_update()
+
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._post("/pause", params={"mode": self.pause_mode})
+        if not self.pause_whole_update:
+            self._post("/pause", params={"mode": self.pause_mode})
         self.http.finish_weight_update(weight_version)  # failed: the server stays paused (the workers' reply says
         self._post("/resume")  # whether they serve the previous version again); the next sync resumes it
 
@@ -133,6 +148,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         self.init_info = init_info
         self.group = self.store = None
         self.targets: dict[str, list[int]] | None = None
+        self.rounds = 0  # updates sent: each one's number (`wire.round_store`)
         self.last_sync: dict[str, float] = {}  # bytes and seconds of the last send_weights (rank 0)
 
     @classmethod
@@ -141,14 +157,23 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
 
     @classmethod
     def connect(
-        cls, url_or_llm, *, rank: int, timeout: float = 600.0, pause_mode: str = "wait", **settings
+        cls,
+        url_or_llm,
+        *,
+        rank: int,
+        timeout: float = 600.0,
+        pause_mode: str = "wait",
+        pause_whole_update: bool = False,
+        **settings,
     ) -> LoraMergeTrainer:
         """A trainer engine driving the server at a URL through vLLM's HTTP RL routes (`HTTPPausingWeightSyncClient`,
-        which pauses in ``pause_mode``), or an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the
-        same calls on it. The server's workers reach rank 0 at this machine's address on the route to the server
-        (``master_address`` overrides)."""
+        which pauses in ``pause_mode``, around the whole update with ``pause_whole_update``), or an in-process ``LLM``
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through the same calls on it. The server's workers reach rank 0 at
+        this machine's address on the route to the server (``master_address`` overrides)."""
         if isinstance(url_or_llm, str):
-            client = HTTPPausingWeightSyncClient(url_or_llm, timeout=timeout, pause_mode=pause_mode)
+            client = HTTPPausingWeightSyncClient(
+                url_or_llm, timeout=timeout, pause_mode=pause_mode, pause_whole_update=pause_whole_update
+            )
             settings.setdefault("master_address", local_address_towards(urllib.parse.urlparse(url_or_llm).hostname))
         else:
             client = LLMWeightSyncClient(url_or_llm)
@@ -198,7 +223,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
     def send_weights(self, model=None, weight_version: str | None = None) -> dict[str, float]:
         """Send the adapter's current factors; the server serves ``W_base + update`` as ``weight_version`` once
         this returns. Returns the merge-precision telemetry (`MergePrecisionStats.metrics`) on rank 0 (nothing with
-        ``precision_stats=False``)."""
+        ``precision_stats=False``). An update that fails gives up the group: the next one connects anew."""
         if model is None:
             raise ValueError(f"{BACKEND}: send_weights needs the peft model")
         wire_dtype = getattr(torch, self.init_info.wire_dtype) if self.init_info.wire_dtype else None
@@ -209,29 +234,22 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         if not self.is_sender:
             return {}
         start = time.perf_counter()
-        if self.targets is None:
+        if self.group is None:  # the first sync, or the first after a failed one
             self._connect(update.shapes)
         elif update.shapes != self.targets:
             raise WeightTransferError(f"{BACKEND}: the adapter's targets changed since the first sync")
         entries, buffers = update.packed()
-        info = LoraMergeUpdateInfo(entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})
-        transport = self.init_info.transport
-        device = wire_device(transport)
-        self._start()
-        pool = ThreadPoolExecutor(max_workers=1)
+        self.rounds += 1
+        sizes = {dtype: b.numel() for dtype, b in buffers.items()}
+        info = LoraMergeUpdateInfo(entries=entries, buffers=sizes, round=self.rounds)
         try:
-            call = pool.submit(self.client.update_weights, asdict(info))
-            for buffer in buffers.values():
-                work = broadcast(self.group, buffer.to(device))
-                watch = {"pending_call": call, "store": self.store}
-                wait(work, f"{BACKEND} update", transport=transport, group=self.group, **watch)
-            call_result(call, f"{BACKEND} update", self.store)
-            call = pool.submit(self.client.finish_weight_update, weight_version)
-            world_size, what = 1 + self.init_info.num_workers, f"{BACKEND} finish"
-            reply = recv_reply(self.group, transport, world_size, what, pending_call=call, store=self.store)
-            call_result(call, what, self.store)
-        finally:
-            pool.shutdown(wait=False)
+            reply = self._update(info, buffers, weight_version)
+        except BaseException:
+            # the group may hold a collective of this update still in flight (a broadcast that a worker refused or
+            # failed before joining), which the next update's would meet instead of its own: give it up, and let
+            # the next sync connect anew (the workers discard what this one left) rather than wait in it
+            self.shutdown()
+            raise
         self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}
         if "dot" not in reply:  # precision_stats=False
             return {}
@@ -240,6 +258,29 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         stats.entries, stats.tensors = reply["entries"], reply["tensors"]
         return stats.metrics()
 
+    def _update(self, info: LoraMergeUpdateInfo, buffers: dict[str, torch.Tensor], weight_version) -> dict:
+        """One update on the group: ``/start_weight_update``, the buffers broadcast while ``/update_weights`` makes
+        the workers receive them, then ``/finish_weight_update``; the waits watch this update's store. Returns the
+        workers' reply to finish."""
+        transport, store = self.init_info.transport, round_store(self.store, info.round)
+        device = wire_device(transport)
+        self._start()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            call = pool.submit(self.client.update_weights, asdict(info))
+            for buffer in buffers.values():
+                work = broadcast(self.group, buffer.to(device))
+                watch = {"pending_call": call, "store": store}
+                wait(work, f"{BACKEND} update", transport=transport, group=self.group, **watch)
+            call_result(call, f"{BACKEND} update", store)
+            call = pool.submit(self.client.finish_weight_update, weight_version)
+            world_size, what = 1 + self.init_info.num_workers, f"{BACKEND} finish"
+            reply = recv_reply(self.group, transport, world_size, what, pending_call=call, store=store)
+            call_result(call, what, store)
+        finally:
+            pool.shutdown(wait=False)
+        return reply
+
     def shutdown(self) -> None:
         close_group(self.group, self.init_info.transport)
-        self.group = self.store = None
+        self.group = self.store = self.targets = None

@@ -117,7 +117,7 @@ def _checkpoint_blocks(base, name: str, shape: torch.Size) -> list[tuple[str, to
     return [(target, tensor.shape, block) for (target, tensor), block in zip(targets.items(), blocks)]
 
 
-_SLOTS = {"lora": ("b", "a"), "weight": ("w",)}  # each kind's tensors, in order
+SLOTS = {"lora": ("b", "a"), "weight": ("w",)}  # each kind's tensors, in order
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple:
@@ -152,7 +152,7 @@ class LoraUpdate:
         """Each entry with its tensors (B, A for "lora")."""
         tensors = iter(self.tensors)
         for entry in self.entries:
-            yield entry, [next(tensors) for _ in _SLOTS[entry["kind"]]]
+            yield entry, [next(tensors) for _ in SLOTS[entry["kind"]]]
 
     def sent_bytes(self) -> Iterator[tuple[dict, int]]:
         """Each entry with the bytes it adds to what is sent (none for a tensor an earlier entry sends)."""
@@ -174,7 +174,7 @@ class LoraUpdate:
         entries = []
         for entry, tensors in self.by_entry():
             slots = {}
-            for key, tensor in zip(_SLOTS[entry["kind"]], tensors):
+            for key, tensor in zip(SLOTS[entry["kind"]], tensors):
                 memory = _memory_key(tensor)
                 if memory not in slots_by_memory:
                     dtype = str(tensor.dtype).removeprefix("torch.")

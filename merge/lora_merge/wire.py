@@ -18,6 +18,8 @@ connection close; over NCCL, whose waits do not block the host, it polls the col
 trainer hosts, and aborts the group when the store closes. The trainer stops waiting as soon as the server's call
 that makes the server's side of the collective fails. A worker that fails where the others wait on it in a
 collective posts its failure to the store (`post_failure`); every wait, on every rank, ends on it with that message.
+Each update posts and watches in a store of its own (`round_store`): a failure ends its own update's waits, never a
+later update's on the same connection.
 
 Replies (`exchange`): at the end of init and of finish every worker reports, over the group: the trainer gets
 the first failing worker's message, naming its rank, else the first worker's reply (the merge-precision telemetry of
@@ -241,6 +243,13 @@ def post_failure(store, rank: int, message: str) -> None:
         pass
 
 
+def round_store(store, number: int):
+    """The group's store as update ``number`` posts to it and watches it: the first failure posted stays for the rest
+    of that update's waits (`post_failure`), and the next update, on the same connection, starts clean. The trainer
+    numbers its updates (`LoraMergeUpdateInfo.round`); joining and its reply use the connection's own store."""
+    return torch.distributed.PrefixStore(f"round{number}", store)
+
+
 def _store_failure(store) -> str | None:
     """What the store says about the other side: a worker's posted failure, the trainer gone (it hosts the store:
     once it dies, any call on it fails at once), or nothing."""
@@ -283,7 +292,8 @@ def wait(work, what: str, *, transport: str, group=None, pending_call=None, stor
 
     gloo: ``wait()`` blocks and fails as soon as a peer's connection closes (a dead trainer). Its ``is_completed``
     only moves inside ``wait``, so with something to watch the wait runs on a daemon thread, left behind in that case
-    until the group's timeout.
+    until the group's timeout. That thread holds ``group`` until then: destroying a gloo group waits for its
+    collectives in flight (its ``abort`` as well), so a caller that gives up the group goes on at once.
     NCCL: ``wait()`` does not block the host: it orders the current CUDA stream after the collective. A stream
     ordered after a collective that never completes holds back every later kernel on it (a worker's generation),
     until the group's timeout aborts it. So the host polls ``is_completed()`` first, aborts the group when the other
@@ -308,7 +318,7 @@ def wait(work, what: str, *, transport: str, group=None, pending_call=None, stor
         return
     done, errors = threading.Event(), []
 
-    def run():
+    def run(held=group):  # noqa: ARG001 - the group lives as long as its collective may (see above)
         try:
             work.wait()
         except BaseException as error:  # noqa: BLE001 - re-raised below, in the caller's thread

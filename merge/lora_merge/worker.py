@@ -14,7 +14,13 @@ earlier ones. With ``update="full"`` the whole weights arrive, no base is kept, 
 Atomicity: the worker only buffers the factors while an update is under way; the model changes in
 ``finish_weight_update`` and only when every buffer of the update arrived. A trainer that dies between start and
 finish leaves the engine serving the previous complete version; the next trainer to connect discards the leftovers.
-A worker waiting for a dead trainer's factors fails at once (`merge.lora_merge.wire.wait`).
+A worker waiting for a dead trainer's factors fails at once (`merge.lora_merge.wire.wait`). An update changes every
+worker or none: vLLM labels its version only once every worker's finish returned, so a worker whose own merge
+succeeded serves the previous version again when another's failed.
+
+Contract (vLLM's own backends check their update infos the same way): an update is checked before anything is
+received (`LoraMergeUpdateInfo`: dtype names, slots and sizes; `receive_weights`: only the tensors declared at
+``init_weight_transfer_engine``, in their declared shapes), and a refusal is a ``ValueError`` naming the bad value.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from vllm.logger import init_logger
 
 from merge import MergePrecisionStats
 from merge.lora_merge.shards import Shard, check_room, merge_into, merge_peak_bytes, worker_shard
+from merge.lora_merge.update import SLOTS
 from merge.lora_merge.wire import (
     BACKEND,
     WeightTransferError,
@@ -45,7 +52,9 @@ from merge.lora_merge.wire import (
     connect,
     exchange,
     post_failure,
+    round_store,
     wait,
+    worker_failure,
 )
 
 logger = init_logger(__name__)
@@ -67,13 +76,66 @@ class LoraMergeInitInfo(WeightTransferInitInfo):
     precision_stats: bool = True  # measure the merge's precision (`MergePrecisionStats`) and reply it
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass
 class LoraMergeUpdateInfo(WeightTransferUpdateInfo):
     """What the trainer sends to ``/update_weights``: the entries (see `LoraUpdate.packed`) and each flat buffer's
-    size, broadcast next over the group in ``buffers`` order."""
+    size, broadcast next over the group in ``buffers`` order; ``round``: the trainer's number of this update
+    (`merge.lora_merge.wire.round_store`). Checked here, before anything is received: a ``ValueError`` names the
+    first bad value."""
 
     entries: list[dict]
     buffers: dict[str, int]
+    round: int = 0
+
+    def __post_init__(self) -> None:
+        if not _count(self.round):
+            raise ValueError(f"{BACKEND}: update round={self.round!r} is not a non-negative integer")
+        if not isinstance(self.buffers, dict) or not isinstance(self.entries, list):
+            raise ValueError(f"{BACKEND}: an update's buffers are a dict and its entries a list, not {self.buffers!r}")
+        for name, numel in self.buffers.items():
+            dtype = getattr(torch, name, None) if isinstance(name, str) else None
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"{BACKEND}: buffer dtype {name!r} is not the name of a torch floating-point dtype")
+            if not _count(numel):
+                raise ValueError(f"{BACKEND}: the {name} buffer's size {numel!r} is not a non-negative integer")
+        for entry in self.entries:
+            target = entry.get("target") if isinstance(entry, dict) else None
+            if not isinstance(target, str):
+                raise ValueError(f"{BACKEND}: update entry {entry!r} names no target tensor")
+            if entry.get("kind") not in SLOTS:
+                raise ValueError(f"{BACKEND}: {target}: kind {entry.get('kind')!r} is not one of {list(SLOTS)}")
+            shapes = [self._slot_shape(target, key, entry.get(key)) for key in SLOTS[entry["kind"]]]
+            if entry["kind"] == "lora":
+                b, a = shapes
+                if len(b) != 2 or len(a) != 2 or b[1] != a[0]:
+                    raise ValueError(f"{BACKEND}: {target}: factors of shapes b={b}, a={a} do not make B @ A")
+                scale, transpose = entry.get("scale"), entry.get("transpose")
+                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not isinstance(transpose, bool):
+                    raise ValueError(
+                        f"{BACKEND}: {target}: scale={scale!r} and transpose={transpose!r} are not a number and a bool"
+                    )
+
+    def _slot_shape(self, target: str, key: str, slot) -> list[int]:
+        """A slot ``[dtype, offset, shape]``'s shape, once it lies within its dtype's buffer."""
+        valid = isinstance(slot, (list, tuple)) and len(slot) == 3 and slot[0] in self.buffers
+        valid = valid and _count(slot[1]) and isinstance(slot[2], (list, tuple)) and all(_count(d) for d in slot[2])
+        if not valid:
+            buffers = list(self.buffers)
+            raise ValueError(
+                f"{BACKEND}: {target}: slot {key}={slot!r} is not [dtype of a buffer {buffers}, offset, shape]"
+            )
+        dtype, offset, shape = slot
+        end = offset + int(torch.Size(shape).numel())
+        if end > self.buffers[dtype]:
+            raise ValueError(
+                f"{BACKEND}: {target}: slot {key}={list(slot)!r} ends at {end}, past the {dtype} buffer's "
+                f"{self.buffers[dtype]} elements"
+            )
+        return list(shape)
 
 
 def _sibling_key(name: str) -> str:
@@ -175,6 +237,9 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
 
     init_info_cls = LoraMergeInitInfo
     update_info_cls = LoraMergeUpdateInfo
+    # vLLM's base says True, and its worker would then retarget this engine at a speculative draft model: its own
+    # weights, which neither the pristine base (read for the target model's targets) nor the shards describe
+    supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -182,6 +247,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.trainer_store = None  # the store the trainer's rank 0 hosts: its liveness, failures posted (`wire.wait`)
         self.transport = "gloo"
         self.rank, self.world_size = 1, 2  # in the group: the trainer is rank 0
+        self.targets: dict[str, list[int]] = {}  # what the trainer declared at init: name -> shape
+        self.round = 0  # the trainer's number of the update under way (`wire.round_store`)
         self.base: dict[str, torch.Tensor] = {}  # this worker's part of each tensor (`self.shards`)
         self.shards: dict[str, Shard] = {}
         self.merge_peak_bytes = 0
@@ -208,6 +275,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
             f"{BACKEND} init",
         )
         try:
+            self._refuse_moving_experts()
+            self.targets = {name: list(shape) for name, shape in init_info.targets.items()}
             device = self.device if init_info.base_on_device else torch.device("cpu")
             if init_info.update == "lora":
                 self.base = self._own_base(init_info.targets, device)
@@ -225,6 +294,19 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                 "merge_peak_bytes": self.merge_peak_bytes,
             }
         )
+
+    def _refuse_moving_experts(self) -> None:
+        """Expert-parallel load balancing (``--enable-eplb``, and its redundant experts) moves experts between workers
+        while the server runs; each worker's shard of the pristine base (`merge.lora_merge.shards`: the experts it
+        holds) is fixed here, at connect, so a later merge would write experts into slots that hold others."""
+        parallel = self.parallel_config
+        if getattr(parallel, "enable_eplb", False):
+            redundant = getattr(getattr(parallel, "eplb_config", None), "num_redundant_experts", 0)
+            raise WeightTransferError(
+                f"the server runs with --enable-eplb ({redundant} redundant experts): expert-parallel load balancing "
+                f"moves experts between workers at runtime, while the {BACKEND} backend fixes each worker's experts "
+                "at connect; serve without --enable-eplb"
+            )
 
     def _own_base(self, targets: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
         """This worker's shard of the pristine base (`merge.lora_merge.shards`), read once it is known to fit on
@@ -245,67 +327,118 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         return self.device if self.transport == "nccl" else torch.device("cpu")
 
     def _wait(self, work, what: str) -> None:
-        wait(work, f"{BACKEND} {what}", transport=self.transport, group=self.group, store=self.trainer_store)
+        store = round_store(self.trainer_store, self.round)
+        wait(work, f"{BACKEND} {what}", transport=self.transport, group=self.group, store=store)
 
-    def _reply(self, reply: dict) -> None:
+    def _reply(self, reply: dict, store=None) -> tuple[int, dict]:
         """Every worker -> trainer: this worker's outcome, in one exchange over the group (`wire.exchange`): the
-        trainer gets the first failing worker's, naming its rank, else the first worker's."""
-        what = f"{BACKEND} reply"
-        exchange(self.group, self.transport, self.rank, self.world_size, reply, what, store=self.trainer_store)
+        trainer, and every worker, get the first failing worker's, naming its rank, else the first worker's."""
+        what, store = f"{BACKEND} reply", store or self.trainer_store
+        return exchange(self.group, self.transport, self.rank, self.world_size, reply, what, store=store)
 
     def start_weight_update(self) -> None:
         self.pending = None  # the model itself is untouched until finish_weight_update
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            typed = self.parse_update_info(update_info)
+        except ValueError as error:  # refused before anything is received; the trainer waits in the broadcast
+            number = update_info.get("round", 0) if isinstance(update_info, dict) else None
+            if self.trainer_store is not None and _count(number):
+                post_failure(
+                    round_store(self.trainer_store, number), self.rank, f"{BACKEND} update: ValueError: {error}"
+                )
+            raise
+        self.receive_weights(typed)
+
+    def _check_declared(self, update_info: LoraMergeUpdateInfo) -> None:
+        """Refuse, before anything is received, an update of tensors the trainer did not declare at init (the base
+        kept is theirs: another would be served unchanged under the new version), or of another shape."""
+        undeclared = [entry["target"] for entry in update_info.entries if entry["target"] not in self.targets]
+        if undeclared:
+            named = ", ".join(undeclared[:5]) + (", ..." if len(undeclared) > 5 else "")
+            raise ValueError(
+                f"{BACKEND}: the update names {len(undeclared)} tensor(s) not declared at init_weight_transfer_engine: "
+                f"{named}; connect anew with them as targets"
+            )
+        for entry in update_info.entries:
+            shapes = [entry[key][2] for key in SLOTS[entry["kind"]]]
+            if entry["kind"] == "lora":  # B @ A, or its transpose where the checkpoint holds that
+                shape = [shapes[1][1], shapes[0][0]] if entry["transpose"] else [shapes[0][0], shapes[1][1]]
+            else:
+                shape = list(shapes[0])
+            if shape != self.targets[entry["target"]]:
+                raise ValueError(
+                    f"{BACKEND}: {entry['target']}: the update makes it {shape}, declared at init as "
+                    f"{self.targets[entry['target']]}"
+                )
 
     def receive_weights(self, update_info: LoraMergeUpdateInfo) -> None:
         if self.group is None:
             raise WeightTransferError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
-        self.pending = None
+        self.pending, self.round = None, update_info.round
         try:
+            self._check_declared(update_info)
             buffers = {
                 dtype: torch.empty(numel, dtype=getattr(torch, dtype), device=self.wire_device)
                 for dtype, numel in update_info.buffers.items()
             }
         except Exception as error:  # the trainer and the other workers would wait on this one in the broadcast
-            post_failure(self.trainer_store, self.rank, f"{BACKEND} update: {type(error).__name__}: {error}")
+            store = round_store(self.trainer_store, self.round)
+            post_failure(store, self.rank, f"{BACKEND} update: {type(error).__name__}: {error}")
             raise
         for buffer in buffers.values():
             self._wait(broadcast(self.group, buffer), "update")
         self.pending = (update_info.entries, buffers)  # every buffer arrived: the update is complete
 
     def finish_weight_update(self) -> None:
-        """Apply the complete update received since ``start_weight_update``; without one, nothing changes."""
+        """Apply the complete update received since ``start_weight_update`` (without one, nothing changes) on every
+        worker or on none. vLLM labels the update's version only once every worker's finish returned: so a worker
+        whose own merge succeeded, but that learns another failed (or cannot learn it: the trainer gone), serves the
+        previous version again, the one the label still names, and only an update every worker applied becomes the
+        one a later restore rebuilds (``applied``)."""
         if self.pending is None:
             logger.warning("%s: finish_weight_update without a complete update; the weights are unchanged", BACKEND)
             return
         entries, buffers = self.pending
         self.pending = None
         stats = MergePrecisionStats() if self.precision_stats else None
+        store = round_store(self.trainer_store, self.round)
         try:
             _reload(self, self._merged(entries, buffers, stats))
         except Exception as error:
             outcome = (
                 "the server serves the previous version again"
-                if self._restore()
+                if self._restore(part_way=True)
                 else "the server's weights are incomplete: restart it"
             )
-            self._reply({"ok": False, "error": f"{type(error).__name__}: {error}; {outcome}"})
+            self._reply({"ok": False, "error": f"{type(error).__name__}: {error}; {outcome}"}, store)
             raise
+        try:
+            source, reply = self._reply({"ok": True, **(stats.totals() if stats is not None else {})}, store)
+        except Exception:
+            self._restore(part_way=False)
+            raise
+        if not reply["ok"]:
+            outcome = "serves the previous version again" if self._restore(part_way=False) else "could not restore it"
+            raise WeightTransferError(
+                f"{BACKEND} finish: {worker_failure(source, reply['error'])}; this worker, whose own merge succeeded, "
+                f"{outcome}"
+            )
         self.applied = (entries, buffers) if self.base else None  # "full" updates are not kept (a comparison)
-        self._reply({"ok": True, **(stats.totals() if stats is not None else {})})
 
-    def _restore(self) -> bool:
-        """After a reload that failed part-way: vLLM's layer-wise reload leaves the layers it had not reached on the
-        meta device, their tensors set aside. Put those back, then reload the last complete version (the pristine
-        base before any update), so that no layer serves a mix of versions. Returns whether that worked."""
+    def _restore(self, part_way: bool) -> bool:
+        """Serve the last complete version again (the pristine base before any update), so that no layer, and no
+        worker, serves a mix of versions. ``part_way``: after a reload that failed part-way, which leaves the layers
+        it had not reached on the meta device, their tensors set aside: those are put back first. Returns whether
+        that worked."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         if not self.base:  # update="full" keeps no base to rebuild from
             return False
         try:
-            finalize_layerwise_reload(self.model, self.model_config)
+            if part_way:
+                finalize_layerwise_reload(self.model, self.model_config)
             entries, buffers = self.applied or ([], {})
             _reload(self, self._merged(entries, buffers, None))
         except Exception:  # noqa: BLE001 - reported to the trainer as an incomplete model
@@ -352,6 +485,6 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
 
     def shutdown(self) -> None:
         self.pending = None
-        self.base, self.shards = {}, {}
+        self.base, self.shards, self.targets = {}, {}, {}
         close_group(self.group, self.transport)
         self.group = self.trainer_store = None
