@@ -33,7 +33,8 @@ vllm.mode=server: the engine runs on the server's devices, so none of the vLLM t
 the plan gives the server's own per worker (``server``, with vllm.server_tensor_parallel_size workers: its weights,
 KV cache and runtime; the lora_merge backend's shard of the pristine targeted base weights, in pinned host memory
 unless vllm.server_base_on_device; the merge's peak on the device, the largest reloaded layer full-shaped plus its
-shard plus the fp32 chunks, `merge.lora_merge.shards`). `check_server_fits` checks the worker's device side; the
+shard plus the fp32 chunks, `merge.lora_merge.shards`; two updates' LoRA factors, whole on every worker).
+`check_server_fits` checks the worker's device side; the
 server itself refuses at connect when its shard and merge peak do not fit beside its KV cache.
 
 Phases: sync (shard + LoRA/AdamW + vLLM weights + sync copies), rollout (shard + LoRA/AdamW + vLLM weights + KV
@@ -192,6 +193,10 @@ def memory_plan(
         where = "device" if cfg.vllm.server_base_on_device else "host"
         server[f"pristine base ({where})"] = counts["targeted"] * weight_bytes / tp
         server["merge peak (device)"] = _merge_peak_bytes(counts["reloaded"], tp, weight_bytes)
+        # every worker receives the whole update (the factors are not split by TP) and keeps the one it serves, to
+        # rebuild it at a restore, beside the next: two updates' buffers, in the wire's dtype (fp32 but in bf16/fp16)
+        factor_bytes = weight_bytes if cfg.model.dtype in ("bfloat16", "float16") else 4
+        server["LoRA factors x2 (device)"] = 2 * counts["lora"] * factor_bytes
         # a server sync gathers LoRA factors only (no base weights unsharded, no engine here to rebuild a layer)
         terms.update(
             {name: 0.0 for name in ("vLLM weights", "KV cache", "vLLM runtime", "vLLM CUDA graphs", "sync copies")}

@@ -106,12 +106,12 @@ def fsdp_settings(env=os.environ) -> FSDPSettings:
 
 # How long a rank waits for the others in a collective before the group gives up (torch's defaults: 10 min for NCCL,
 # 30 for gloo). The longest legitimate wait is server mode's first sync: ranks 1..N wait for rank 0 in the sync's
-# collective while the server's workers read their pristine base from the checkpoint (and download it where the
-# server has no local copy), then the factors travel and the server merges them; each of those three HTTP calls may
-# take up to 600 s (the sync's HTTP timeout): 30 minutes in all, and 40 leave room for the gathers around them. A rank
-# that fails in a sync tells the others at once (`ServerEngine.sync_policy`), so only a rank that hangs is waited for
+# collective while the server's workers read their pristine base from the checkpoint (the connect, waited for up to
+# `LoraMergeTrainerInitInfo.connect_timeout_s`, 30 min), then the factors travel and the server merges them (each
+# HTTP call up to the sync's 600 s timeout): 50 minutes leave room for those and the gathers around them. A rank that
+# fails in a sync tells the others at once (`ServerEngine.sync_policy`), so only a rank that hangs is waited for
 # this long.
-COLLECTIVE_TIMEOUT = timedelta(minutes=40)
+COLLECTIVE_TIMEOUT = timedelta(minutes=50)
 
 # The oldest NVIDIA driver (Linux) that runs a CUDA build of each major version: NVIDIA's CUDA Toolkit release notes,
 # "CUDA Toolkit and Minimum Required Driver Version for CUDA Minor Version Compatibility". torch 2.13.0 and vLLM

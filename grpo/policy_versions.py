@@ -2,11 +2,11 @@
 weights that sampled each token.
 
 Synchronous rollouts are scored by the version that sampled them, so |vLLM - trainer| on the old log-probs proves
-the sync. Asynchronous ones are mostly sampled by earlier versions, and a completion whose version changed midway
-was continued on KV computed by the earlier weights, which no trainer forward reproduces. So the check covers the
-completions sampled wholly by one version v: v = the trainer's own (the old log-probs, free), and v earlier for the
-first mini-batch, scored in a no-grad forward with version v's LoRA factors swapped in. `PolicyVersions` keeps those
-factors: this rank's shards of the last max_staleness versions, adapter-sized copies.
+the sync. Asynchronous ones are mostly sampled by earlier versions. The check covers the completions sampled wholly
+by one version v (one an update landed in was prefilled again on the new weights, so each of its segments is its
+version's, docs/async.md; the check leaves those out): v = the trainer's own (the old log-probs, free), and v
+earlier for the first mini-batch, scored in a no-grad forward with version v's LoRA factors swapped in.
+`PolicyVersions` keeps those factors: this rank's shards of the last max_staleness versions, adapter-sized copies.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 from merge.layers import check_supported, decoder_layers
 from merge.merged_params import merged_lora_params
 from merge.server_health import results_watching_health, start_in_daemon_threads
+from merge.server_settings import server_setting_problems
 from merge.vllm_compat import reload_vllm_weights
 
 __all__ = [
@@ -191,12 +192,18 @@ def _watching_health(url: str, what: str, call: Callable, server_timeout: float)
 
 def server_backend(client) -> str | None:
     """The weight-transfer backend of the server behind TRL's ``client`` ("lora_merge", "nccl"; None: none), from
-    its ``/server_info`` (TRL's ``get_server_info``, which names ``VLLM_SERVER_DEV_MODE=1`` where it is missing)."""
+    its ``/server_info`` (TRL's ``get_server_info``, which names ``VLLM_SERVER_DEV_MODE=1`` where it is missing).
+    Its settings are checked on the way as the recipe checks them (`merge.server_settings`): a server that cannot
+    serve the run is refused in one line naming each flag. Its dtype and prefix cache are TRL's business (TRL
+    resets the prefix cache after every sync)."""
     try:
-        config = client.get_server_info().get("weight_transfer_config")
+        config = client.get_server_info()
     except RuntimeError as error:  # TRL's message: the dev routes are missing
         raise TRLServerError(" ".join(str(error).split())) from None
-    return (config or {}).get("backend")
+    problems = server_setting_problems(config)
+    if problems:
+        raise TRLServerError(f"the vLLM server at {client.base_url} cannot serve this run: {'; '.join(problems)}")
+    return (config.get("weight_transfer_config") or {}).get("backend")
 
 
 def _refuse_no_backend(url: str) -> TRLServerError:

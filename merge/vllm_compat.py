@@ -37,6 +37,7 @@ __all__ = [
     "vllm_unservable_lora_targets",
     "has_fused_experts",
     "reload_repacking_cpu_experts",
+    "abort_layerwise_reload",
 ]
 
 
@@ -66,6 +67,29 @@ def reload_repacking_cpu_experts(worker, weights_iterator: Iterable[tuple[str, t
             if method.moe_kernel is None:  # not reloaded: its tensors are the old, packed ones
                 method.moe_kernel = kernel
     return len(old_kernels)
+
+
+def abort_layerwise_reload(model: torch.nn.Module) -> int:
+    """Undo a layer-wise reload that raised part-way (an out-of-memory while a layer is materialised, processed or
+    copied back): every layer gets its own parameters and buffers back, the storage the engine's kernels and CUDA
+    graphs read, holding whatever values they reached. vLLM's ``finalize_layerwise_reload`` instead keeps the
+    failing layer's temporaries (or meta tensors) and drops its originals. Returns the number of layers put back;
+    the caller then reloads a complete version into them."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    restored = 0
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None:
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+            restored += 1
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    return restored
 
 
 def in_process_model(llm) -> torch.nn.Module:

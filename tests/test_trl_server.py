@@ -111,6 +111,28 @@ def test_a_server_without_a_backend_is_refused_and_a_lora_merge_one_opens_no_com
     assert vllm_generation.VLLMClient.__name__ == "VLLMClient"  # restored after the block
 
 
+def test_trls_server_entry_refuses_a_server_that_cannot_serve_the_run_naming_each_flag():
+    """`merge.trl` checks the server's settings as the recipe does (`merge.server_settings`), before any sync.
+    Control: the same server with the run's settings."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    fake = FakeServer(backend=True)
+    fake.server_info["weight_transfer_config"] = {"backend": "lora_merge"}
+    fake.server_info["model_config"].update(logprobs_mode="raw_logprobs", quantization="fp8")
+    try:
+        with lora_merge_server_client():
+            client = vllm_generation.VLLMClient(base_url=fake.url)
+        with pytest.raises(TRLServerError, match="cannot serve this run") as caught:
+            client.init_communicator(device="cpu")
+        message = str(caught.value)
+        assert "--logprobs-mode processed_logprobs" in message and "--quantization" in message and fake.url in message
+        fake.server_info["model_config"].update(logprobs_mode="processed_logprobs", quantization=None)
+        client.init_communicator(device="cpu")
+        assert client.weight_transfer_backend == "lora_merge"
+    finally:
+        fake.stop()
+
+
 def test_a_server_gone_during_generation_stops_in_one_line_naming_the_url():
     from requests.adapters import HTTPAdapter
     from trl.generation.vllm_client import VLLMClient

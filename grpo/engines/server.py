@@ -35,6 +35,7 @@ import torch
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
 from merge.server_health import results_watching_health, start_in_daemon_threads
+from merge.server_settings import server_setting_problems
 
 CONNECTION_ATTEMPTS = 3  # a request whose connection fails is sent again, this many times in all, 1 s apart
 RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
@@ -56,7 +57,9 @@ def serve_command(url: str, model: str, merge: bool = True) -> str:
     (``CPU Generator does not use offset``), and every request here is seeded."""
     address = urllib.parse.urlparse(url)
     lora = "--enable-lora --max-lora-rank 64 " if not merge else ""
-    env = "VLLM_SERVER_DEV_MODE=1" + ("" if merge else " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+    env = "VLLM_SERVER_DEV_MODE=1 VLLM_USE_V2_MODEL_RUNNER=0" + (
+        "" if merge else " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+    )
     return (
         f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} "
         f"--host {address.hostname} --port {address.port or 80} "
@@ -155,6 +158,15 @@ class ServerEngine:
         )
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
+    def _answers(self) -> bool:
+        """Whether the server answers /health now."""
+        import requests
+
+        try:
+            return requests.get(f"{self.url}/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
     def _gone(self, what_happened: str) -> ServerError:
         """The one line a run stops with when the server goes away mid-run: the URL, what happened, how to resume."""
         return ServerError(f"the vLLM server at {self.url} {what_happened}; {RESUME_HINT}")
@@ -251,23 +263,12 @@ class ServerEngine:
                 f"the vLLM server at {url} does not report its settings (/server_info: {type(error).__name__}); "
                 f"start it with VLLM_SERVER_DEV_MODE=1: {command}"
             ) from None
-        problems = []
-        if model_config.get("logprobs_mode") != "processed_logprobs":
-            problems.append(f"it returns {model_config.get('logprobs_mode')} (add --logprobs-mode processed_logprobs)")
+        problems = server_setting_problems(config, merge)
         if cache_config.get("enable_prefix_caching"):
             problems.append("it caches prefixes across syncs (add --no-enable-prefix-caching)")
         served = str(model_config.get("dtype")).removeprefix("torch.")
         if served != dtype:
             problems.append(f"it serves {served}, the trainer computes in model.dtype={dtype} (--dtype {dtype})")
-        if model_config.get("quantization"):
-            problems.append(f"it serves {model_config['quantization']}-quantized weights (serve the unquantized base)")
-        parallel = config.get("parallel_config") or {}
-        if merge and (parallel.get("data_parallel_external_lb") or parallel.get("data_parallel_hybrid_lb")):
-            problems.append(
-                "its data-parallel ranks are balanced by an external load balancer (--data-parallel-rank, "
-                "--data-parallel-hybrid-lb): this front end reaches only its own engines, so a weight update would "
-                "wait for the others; serve one data-parallel group behind one front end (internal balancing)"
-            )
         if int(model_config.get("max_model_len") or 0) < max_model_len:
             problems.append(
                 f"its max_model_len {model_config.get('max_model_len')} is shorter than data.max_prompt_length + "
@@ -348,6 +349,8 @@ class ServerEngine:
         try:  # the server pauses only while it merges (`HTTPPausingWeightSyncClient`)
             stats = self.transfer.send_weights(model, weight_version=str(version))
         except WeightTransferError as error:
+            if not self._answers():  # its call failed because it went away, not because it refused
+                raise self._gone("stopped answering during a weight sync") from None
             raise ServerError(f"weight sync to {self.url} refused: {error}") from None
         except requests.RequestException as error:  # the server went away during the sync's HTTP calls
             raise self._gone(f"stopped answering during a weight sync ({type(error).__name__})") from None

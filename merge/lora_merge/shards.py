@@ -237,33 +237,48 @@ def free_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_room(base_bytes: int, peak_bytes: int, base_device, merge_device) -> None:
-    """Refuse, naming the numbers and what to change, when this worker cannot hold its shard of the base where it
-    lives plus the merge's peak on the engine's device (one device: both on it), in what is free there now
-    (`free_bytes`: on a GPU, what vLLM's KV cache and weights left; on CPU, the host's available memory)."""
+def check_room(
+    base_bytes: int,
+    peak_bytes: int,
+    base_device,
+    merge_device,
+    factor_bytes: int = 0,
+    wire_device="cpu",
+    host_workers: int = 1,
+) -> None:
+    """Refuse, naming the numbers and what to change, when this worker cannot hold, in what is free now
+    (`free_bytes`: on a GPU, what vLLM's KV cache and weights left; on CPU, the host's available memory): its shard of
+    the base where it lives, the merge's peak on the engine's device, and the factor buffers of two updates on the
+    wire's device (``factor_bytes``, both: the update served, kept to rebuild it at a restore, and the next one,
+    received beside it). The ``host_workers`` workers of the server on this host check at once, each before any has
+    read its base: the host must hold all of their shares."""
     merge_device = torch.device(merge_device)
-    needs = {}
-    for device, amount in ((torch.device(base_device), base_bytes), (torch.device(merge_device), peak_bytes)):
-        needs[device] = needs.get(device, 0) + amount
-    for device, need in needs.items():
-        available = free_bytes(device)
-        if need <= available:
+    parts: dict[torch.device, dict[str, int]] = {}
+    for device, what, amount in (
+        (base_device, "its shard of the pristine base", base_bytes),
+        (merge_device, "the merge's peak", peak_bytes),
+        (wire_device, "two updates' factors", factor_bytes),
+    ):
+        parts.setdefault(torch.device(device), {})[what] = amount
+    for device, items in parts.items():
+        sharing = host_workers if device.type == "cpu" else 1
+        need, available = sum(items.values()), free_bytes(device)
+        if need * sharing <= available:
             continue
         if device.type == "cpu" and merge_device.type == "cpu":
             advice = "free host memory, or restart the server with a smaller KV cache (--kv-cache-memory-bytes)"
         elif device.type == "cpu":
             advice = "free host memory, or connect with base_on_device=true (vllm.server_base_on_device=true)"
-        elif device == torch.device(base_device):
+        elif device == torch.device(base_device) and base_bytes:
             advice = (
                 "connect with base_on_device=false (vllm.server_base_on_device=false: the base in pinned host "
                 "memory), or restart the server with a lower --gpu-memory-utilization"
             )
         else:
             advice = "restart the server with a lower --gpu-memory-utilization"
-        held = base_bytes if device == torch.device(base_device) else 0
-        peak = peak_bytes if device == torch.device(merge_device) else 0
+        listed = " + ".join(f"{what} {_size(amount)}" for what, amount in items.items())
+        together = f", and each of its host's {sharing} workers as much at once," if sharing > 1 else ""
         raise WeightTransferError(
-            f"{BACKEND}: this worker needs {_size(need)} on {device} (its shard of the pristine base "
-            f"{_size(held)} + the merge's peak {_size(peak)}) and {_size(available)} is free beside vLLM's KV "
-            f"cache: {advice}"
+            f"{BACKEND}: this worker needs {_size(need)} on {device} ({listed}){together} and {_size(available)} is "
+            f"free beside vLLM's KV cache: {advice}"
         )

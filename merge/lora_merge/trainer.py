@@ -42,6 +42,7 @@ from merge.lora_merge.wire import (
     local_address_towards,
     recv_reply,
     round_store,
+    set_timeout,
     wait,
     wire_device,
 )
@@ -51,10 +52,15 @@ from merge.lora_merge.worker import LoraMergeInitInfo, LoraMergeUpdateInfo
 class HTTPPausingWeightSyncClient:
     """vLLM's HTTP weight-sync control plane (`HTTPVLLMWeightSyncClient`), with the one call that changes the served
     model, ``/finish_weight_update``, between ``/pause`` and ``/resume``. ``pause_mode`` is vLLM's: "wait" (requests
-    in flight finish on the previous weights first; the prefix cache is cleared) or "keep" (requests in flight are
-    frozen between two decode steps and continue on the new weights with the KV cache they have: asynchronous
-    rollouts). Only the merge is paused: a trainer that dies while it gathers or sends the factors leaves the server
-    serving its last complete version, not paused.
+    in flight finish on the previous weights first) or "keep" (requests in flight are frozen between two decode
+    steps and continue on the new weights: asynchronous rollouts). Either way the pause clears the caches
+    (``clear_cache=true``, said explicitly: vLLM 0.32 calls the flag deprecated): the prefix cache holds KV the
+    previous weights computed, and in "keep" mode vLLM preempts the requests in flight and prefills them again on
+    the new weights when they resume (``Scheduler.reset_prefix_cache(reset_running_requests=True)``). So every token
+    is sampled from one version given a prefix that same version computed: the log-prob vLLM returns is that
+    version's, token by token, which a trainer forward with its weights reproduces. Only the merge is paused: a
+    trainer that dies while it gathers or sends the factors leaves the server serving its last complete version, not
+    paused.
 
     ``pause_whole_update``: pause before ``/start_weight_update`` instead, so that the whole update runs paused. A
     mixture-of-experts server with data parallelism steps its engines in lockstep (vLLM's ``DPEngineCoreProc``: a
@@ -72,22 +78,30 @@ class HTTPPausingWeightSyncClient:
             raise ValueError(f"{BACKEND}: pause_mode={pause_mode!r} is not one of 'wait', 'keep'")
         self.pause_mode, self.pause_whole_update = pause_mode, pause_whole_update
         self.http = HTTPVLLMWeightSyncClient(base_url, timeout=timeout)
-        self.init_weight_transfer_engine = self.http.init_weight_transfer_engine
         self.update_weights = self.http.update_weights
 
-    def _post(self, path: str, **kwargs) -> None:
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """vLLM's call, answered once every worker has read its base: waited for ``connect_timeout_s``."""
+        timeout = max(self.http.timeout, init_info.get("connect_timeout_s", 0))
+        self._post("/init_weight_transfer_engine", json={"init_info": init_info}, timeout=timeout)
+
+    def _post(self, path: str, timeout: float | None = None, **kwargs) -> None:
         import requests
 
-        requests.post(f"{self.http.base_url}{path}", timeout=self.http.timeout, **kwargs).raise_for_status()
+        timeout = timeout or self.http.timeout
+        requests.post(f"{self.http.base_url}{path}", timeout=timeout, **kwargs).raise_for_status()
+
+    def _pause(self) -> None:
+        self._post("/pause", params={"mode": self.pause_mode, "clear_cache": "true"})
 
     def start_weight_update(self) -> None:
         if self.pause_whole_update:
-            self._post("/pause", params={"mode": self.pause_mode})
+            self._pause()
         self.http.start_weight_update()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.pause_whole_update:
-            self._post("/pause", params={"mode": self.pause_mode})
+            self._pause()
         self.http.finish_weight_update(weight_version)  # failed: the server stays paused (the workers' reply says
         self._post("/resume")  # whether they serve the previous version again); the next sync resumes it
 
@@ -123,7 +137,8 @@ class LoraMergeTrainerInitInfo(TrainerInitInfo):
     num_workers: int = 1  # the server's workers (tensor x pipeline x data parallel)
     transport: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
     base_on_device: bool = False
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # each update's collectives and HTTP calls
+    connect_timeout_s: float = 1800.0  # the first sync's connect: every worker reads its shard of the base meanwhile
     update: str = "lora"  # "lora": the factors; "full": the whole merged model (a comparison, see the module doc)
     wire_dtype: str | None = None  # cast the sent tensors to this dtype (None: as they are, fp32 factors usually)
     precision_stats: bool = True  # the workers measure the merge's precision (sync_delta_*; worth it below fp32)
@@ -179,7 +194,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             client = LLMWeightSyncClient(url_or_llm)
         return cls(client=client, init_info=LoraMergeTrainerInitInfo(rank=rank, timeout_s=timeout, **settings))
 
-    def _connect(self, targets: dict[str, list[int]]) -> None:
+    def _connect(self, targets: dict[str, list[int]], factor_bytes: int) -> None:
         info = self.init_info
         port = info.master_port or free_port(info.master_address)
         worker_info = asdict(
@@ -188,9 +203,11 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
                 master_port=port,
                 world_size=1 + info.num_workers,
                 targets=targets,
+                factor_bytes=factor_bytes,
                 transport=info.transport,
                 base_on_device=info.base_on_device,
                 timeout_s=info.timeout_s,
+                connect_timeout_s=info.connect_timeout_s,
                 update=info.update,
                 precision_stats=info.precision_stats,
             )
@@ -200,11 +217,13 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         try:
             call = pool.submit(self.client.init_weight_transfer_engine, worker_info)
             what = f"{BACKEND} init"
+            connect_timeout_s = max(info.connect_timeout_s, info.timeout_s)
             self.group, self.store = connect(
-                info.master_address, port, 0, world_size, info.transport, info.timeout_s, what, pending_call=call
+                info.master_address, port, 0, world_size, info.transport, connect_timeout_s, what, pending_call=call
             )
             recv_reply(self.group, info.transport, world_size, what, pending_call=call, store=self.store)
             call_result(call, what, self.store)
+            set_timeout(self.group, info.timeout_s)
         except BaseException:
             self.shutdown()  # the next sync connects anew
             raise
@@ -234,11 +253,11 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         if not self.is_sender:
             return {}
         start = time.perf_counter()
+        entries, buffers = update.packed()
         if self.group is None:  # the first sync, or the first after a failed one
-            self._connect(update.shapes)
+            self._connect(update.shapes, sum(b.numel() * b.element_size() for b in buffers.values()))
         elif update.shapes != self.targets:
             raise WeightTransferError(f"{BACKEND}: the adapter's targets changed since the first sync")
-        entries, buffers = update.packed()
         self.rounds += 1
         sizes = {dtype: b.numel() for dtype, b in buffers.items()}
         info = LoraMergeUpdateInfo(entries=entries, buffers=sizes, round=self.rounds)

