@@ -682,3 +682,28 @@ def test_joining_waits_for_the_base_read_under_its_own_timeout(monkeypatch, conn
     finally:
         trainer.shutdown()
         server.close()
+
+
+def test_a_trainer_declaring_another_worker_count_is_refused_at_once_and_a_weight_source_is_not_ignored(
+    trainer_of, monkeypatch
+):
+    """A trainer that declares 3 workers to a server of 2 would wait in the join for a rank that never comes, until
+    the connect's timeout: every worker refuses before joining, through the trainer's store, naming both counts.
+    ``trainer_init`` refuses a weight source (vLLM's factory passes one; the backend sends the model's factors).
+    Controls: the right count connects; no source builds the trainer."""
+    from merge.lora_merge import LoraMergeTrainer, LoraMergeTrainerInitInfo, WeightTransferError
+
+    server = InProcessServer(monkeypatch)
+    info = LoraMergeTrainerInitInfo(rank=0, num_workers=3, timeout_s=30, precision_stats=False)
+    wrong = LoraMergeTrainer.trainer_init(info, client=server)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightTransferError, match=r"declared 3 worker\(s\) \(world_size=4\), the server has 2"):
+            wrong.send_weights(lora(1)[0], weight_version="1")
+    finally:
+        wrong.shutdown()
+    assert time.monotonic() - start < 10  # not the connect's timeout (30 min by default)
+    trainer_of(server).send_weights(lora(1)[0], weight_version="1")  # the control: 2 declared
+    assert server.version == "1"
+    with pytest.raises(ValueError, match="a weight source \\(object\\) is not taken"):
+        LoraMergeTrainer.trainer_init(info, client=server, source=object())

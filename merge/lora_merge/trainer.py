@@ -168,6 +168,13 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
 
     @classmethod
     def trainer_init(cls, init_info: LoraMergeTrainerInitInfo, *, client, source=None) -> LoraMergeTrainer:
+        """vLLM's factory entry. The backend sends what `send_weights` is given (the peft model's factors), so a
+        weight source is refused rather than ignored, as vLLM's backends refuse one they cannot use."""
+        if source is not None:
+            raise ValueError(
+                f"{BACKEND}: a weight source ({type(source).__name__}) is not taken: the backend sends the LoRA "
+                "factors of the peft model given to send_weights"
+            )
         return cls(client=client, init_info=init_info)
 
     @classmethod

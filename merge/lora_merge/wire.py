@@ -41,6 +41,7 @@ import torch
 BACKEND = "lora_merge"
 TRANSPORTS = ("gloo", "nccl")
 FAILED = "worker_failed"  # the store key of the first failure a worker posted (`post_failure`)
+ARRIVED = "workers_arrived"  # the store key the workers count themselves on before joining (`connect`)
 PROBE_S = 0.1  # how often a wait looks at the store
 
 # torch's ProcessGroupNCCL reads these once, in its constructor (ProcessGroupNCCL.hpp). TORCH_NCCL_ASYNC_ERROR_HANDLING
@@ -170,6 +171,10 @@ def connect(
     device = wire_device(transport)  # the caller's: a new thread's current CUDA device is the first one
     if transport == "nccl":
         _refuse_a_shared_device(store, rank, device_id(device), what)
+    if rank > 0:
+        store.add(ARRIVED, 1)
+    elif transport == "gloo":  # NCCL's constructor returns at once: its communicators are created under `wait`
+        _wait_for_arrivals(store, world_size - 1, what, pending_call, timeout_s)
 
     def build(joining: _Joining) -> None:
         if device.type == "cuda":
@@ -190,6 +195,23 @@ def connect(
             close_group(joining.group, transport)
             raise
     return joining.group, store
+
+
+def _wait_for_arrivals(store, workers: int, what: str, pending_call, timeout_s: float) -> None:
+    """The trainer builds its side of the group only once every worker has reached the store: gloo's constructor
+    holds the interpreter while it waits for the other ranks, so a worker that refuses before joining
+    (`refuse_before_joining`) or whose call failed would be seen only at the group's timeout."""
+    probe, deadline = [0.0], time.monotonic() + timeout_s
+    while store.add(ARRIVED, 0) < workers:
+        failure = _other_side_failed(pending_call, store, probe)
+        if failure is not None:
+            raise WeightTransferError(f"{what}: {failure}")
+        if time.monotonic() > deadline:
+            arrived = store.add(ARRIVED, 0)
+            raise WeightTransferError(
+                f"{what}: {arrived} of the server's {workers} workers joined within {timeout_s:g} s"
+            )
+        time.sleep(0.01)
 
 
 def set_timeout(group, timeout_s: float) -> None:
@@ -247,6 +269,14 @@ def post_failure(store, rank: int, message: str) -> None:
         store.compare_set(FAILED, "", worker_failure(rank, message))
     except torch.distributed.DistError:
         pass
+
+
+def refuse_before_joining(host: str, port: int, rank: int, world_size: int, message: str) -> None:
+    """A worker that must not join (the group would wait for ranks that never come) posts ``message`` to the store
+    the trainer hosts, which ends the trainer's wait in `connect` at once, and raises it."""
+    store = torch.distributed.TCPStore(host, port, world_size, False, timeout=timedelta(seconds=30))
+    post_failure(torch.distributed.PrefixStore(BACKEND, store), rank, message)
+    raise WeightTransferError(message)
 
 
 def round_store(store, number: int):
