@@ -166,6 +166,7 @@ def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server, mon
             gap[version] = max(abs(a - b) for a, b in zip(served[begin:end], sampled[begin:end]))
     finally:
         trainer.shutdown()
+    print(f"clear_cache={clear_cache}: preempted {preempted:g}, max |sampled - served| per version {gap}")
     assert [v for v, _, _ in spans] == ["1", "2"] and spans[0][1] == 0 and spans[-1][2] == 200, spans
     assert 0 < spans[0][2] == spans[1][1] < 200, spans
     assert len(sampled) == 200 and gap["1"] < 1e-4, gap
