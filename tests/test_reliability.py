@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 from peft import PeftModel
 from recipe_runs import ROOT, launch, launch_command, launch_env, read_metrics
 from transformers import AutoModelForCausalLM
@@ -78,6 +79,10 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, t
     ]  # earlier lines kept, later ones redone once
     for got, want in zip(metrics_after, metrics):
         assert {k: got[k] for k in DETERMINISTIC} == pytest.approx({k: want[k] for k in DETERMINISTIC}, rel=1e-9)
+    # what made the run: its first part, and the resumed part under "resumes"
+    made = json.loads((out / "run" / "provenance.json").read_text())
+    assert made["commit"] == made["resumes"][0]["commit"] and len(made["resumes"]) == 1
+    assert made["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and "torch" in made["packages"]
 
 
 def test_nan_reward_on_one_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path, tiny_model):
