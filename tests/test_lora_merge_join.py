@@ -456,6 +456,7 @@ class InProcessServer:
         self.engines = {rank: worker_engine(rank, workers, **parallel) for rank in range(1, workers + 1)}
         self.active = dict.fromkeys(self.engines, False)
         self.version, self.served, self.fail_reload = "0", {}, fail_reload if fail_reload is not None else set()
+        self.calls: list[dict] = []  # every call's worker threads (`idle`)
 
         def reload(engine, weights):
             weights = dict(weights)  # the merge runs for real; the model's own reload is what is stood in for
@@ -470,6 +471,7 @@ class InProcessServer:
 
     def _on_every_worker(self, call) -> None:
         results = in_threads(call, list(self.engines))
+        self.calls.append(results)
         results["join"](30)
         errors = [results[rank] for rank in self.engines if isinstance(results.get(rank), Exception)]
         if errors:
@@ -510,7 +512,13 @@ class InProcessServer:
         if weight_version is not None:
             self.version = weight_version
 
+    def idle(self, timeout: float = 30) -> None:
+        """Wait for the workers of every call, a trainer that gave up on one included."""
+        for results in self.calls:
+            results["join"](timeout)
+
     def close(self) -> None:
+        self.idle()
         for engine in self.engines.values():
             engine.shutdown()
 
@@ -684,25 +692,22 @@ def test_joining_waits_for_the_base_read_under_its_own_timeout(monkeypatch, conn
         server.close()
 
 
-def test_a_trainer_declaring_another_worker_count_is_refused_at_once_and_a_weight_source_is_not_ignored(
+def test_a_trainer_declaring_another_worker_count_is_refused_before_joining_and_a_weight_source_is_not_ignored(
     trainer_of, monkeypatch
 ):
     """A trainer that declares 3 workers to a server of 2 would wait in the join for a rank that never comes, until
-    the connect's timeout: every worker refuses before joining, through the trainer's store, naming both counts.
-    ``trainer_init`` refuses a weight source (vLLM's factory passes one; the backend sends the model's factors).
-    Controls: the right count connects; no source builds the trainer."""
+    the connect's timeout: it asks the server first (vLLM's ``/get_world_size``) and refuses, naming both counts,
+    before any call. ``trainer_init`` refuses a weight source (vLLM's factory passes one; the backend sends the
+    model's factors). Controls: the right count connects; no source builds the trainer."""
     from merge.lora_merge import LoraMergeTrainer, LoraMergeTrainerInitInfo, WeightTransferError
 
     server = InProcessServer(monkeypatch)
+    server.server_workers = lambda: len(server.engines)  # what vLLM's /get_world_size answers
     info = LoraMergeTrainerInitInfo(rank=0, num_workers=3, timeout_s=30, precision_stats=False)
     wrong = LoraMergeTrainer.trainer_init(info, client=server)
-    start = time.monotonic()
-    try:
-        with pytest.raises(WeightTransferError, match=r"declared 3 worker\(s\) \(world_size=4\), the server has 2"):
-            wrong.send_weights(lora(1)[0], weight_version="1")
-    finally:
-        wrong.shutdown()
-    assert time.monotonic() - start < 10  # not the connect's timeout (30 min by default)
+    with pytest.raises(WeightTransferError, match=r"declared num_workers=3, the server has 2 workers"):
+        wrong.send_weights(lora(1)[0], weight_version="1")
+    assert server.version == "0" and all(engine.group is None for engine in server.engines.values())
     trainer_of(server).send_weights(lora(1)[0], weight_version="1")  # the control: 2 declared
     assert server.version == "1"
     with pytest.raises(ValueError, match="a weight source \\(object\\) is not taken"):

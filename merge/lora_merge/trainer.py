@@ -91,6 +91,14 @@ class HTTPPausingWeightSyncClient:
         timeout = timeout or self.http.timeout
         requests.post(f"{self.http.base_url}{path}", timeout=timeout, **kwargs).raise_for_status()
 
+    def server_workers(self) -> int:
+        """The server's workers (vLLM's ``/get_world_size``: tensor x pipeline x data parallel)."""
+        import requests
+
+        response = requests.get(f"{self.http.base_url}/get_world_size", timeout=self.http.timeout)
+        response.raise_for_status()
+        return int(response.json()["world_size"])
+
     def _pause(self) -> None:
         self._post("/pause", params={"mode": self.pause_mode, "clear_cache": "true"})
 
@@ -111,6 +119,9 @@ class LLMWeightSyncClient:
 
     def __init__(self, llm) -> None:
         self.llm = llm
+
+    def server_workers(self) -> int:
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -203,6 +214,12 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
 
     def _connect(self, targets: dict[str, list[int]], factor_bytes: int) -> None:
         info = self.init_info
+        workers = self.client.server_workers() if hasattr(self.client, "server_workers") else info.num_workers
+        if workers != info.num_workers:  # the group would wait for ranks that never come, until its timeout
+            raise WeightTransferError(
+                f"{BACKEND} init: the trainer declared num_workers={info.num_workers}, the server has {workers} "
+                f"workers (tensor x pipeline x data parallel): connect with num_workers={workers}"
+            )
         port = info.master_port or free_port(info.master_address)
         worker_info = asdict(
             LoraMergeInitInfo(

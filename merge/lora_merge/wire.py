@@ -199,8 +199,8 @@ def connect(
 
 def _wait_for_arrivals(store, workers: int, what: str, pending_call, timeout_s: float) -> None:
     """The trainer builds its side of the group only once every worker has reached the store: gloo's constructor
-    holds the interpreter while it waits for the other ranks, so a worker that refuses before joining
-    (`refuse_before_joining`) or whose call failed would be seen only at the group's timeout."""
+    holds the interpreter while it waits for the other ranks, so a worker whose call failed before it joined would
+    be seen only at the group's timeout."""
     probe, deadline = [0.0], time.monotonic() + timeout_s
     while store.add(ARRIVED, 0) < workers:
         failure = _other_side_failed(pending_call, store, probe)
@@ -269,14 +269,6 @@ def post_failure(store, rank: int, message: str) -> None:
         store.compare_set(FAILED, "", worker_failure(rank, message))
     except torch.distributed.DistError:
         pass
-
-
-def refuse_before_joining(host: str, port: int, rank: int, world_size: int, message: str) -> None:
-    """A worker that must not join (the group would wait for ranks that never come) posts ``message`` to the store
-    the trainer hosts, which ends the trainer's wait in `connect` at once, and raises it."""
-    store = torch.distributed.TCPStore(host, port, world_size, False, timeout=timedelta(seconds=30))
-    post_failure(torch.distributed.PrefixStore(BACKEND, store), rank, message)
-    raise WeightTransferError(message)
 
 
 def round_store(store, number: int):

@@ -49,7 +49,6 @@ from merge.lora_merge.wire import (
     connect,
     exchange,
     post_failure,
-    refuse_before_joining,
     round_store,
     set_timeout,
     wait,
@@ -201,16 +200,6 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.precision_stats = init_info.precision_stats
         self.factor_bytes = init_info.factor_bytes
         self.rank, self.world_size = rank, init_info.world_size
-        workers = getattr(parallel, "data_parallel_size", 1) * parallel.world_size
-        if init_info.world_size - init_info.rank_offset != workers:  # the group would wait for ranks never coming
-            refuse_before_joining(
-                init_info.master_address,
-                init_info.master_port,
-                rank,
-                init_info.world_size,
-                f"{BACKEND} init: the trainer declared {init_info.world_size - init_info.rank_offset} worker(s) "
-                f"(world_size={init_info.world_size}), the server has {workers}: connect with num_workers={workers}",
-            )
         self.group, self.trainer_store = connect(
             init_info.master_address,
             init_info.master_port,
