@@ -24,6 +24,7 @@ from trl_helpers import (  # noqa: E402
     randomize_lora_b,
     record_syncs,
     sampled_vs_policy,
+    short_recipe_argv,
 )
 
 from merge import UnsupportedAdapterError  # noqa: E402
@@ -65,40 +66,10 @@ MAX_LOGPROB_DIFF = 1e-4  # mean |vLLM - trainer| in fp32, the standalone recipe'
 
 def recipe_argv(out: Path, model: str, run_name: str, *overrides: str) -> list[str]:
     """recipes/configs/trl_tiny_cpu.yaml, shortened: 3 rollouts of 16 completions, a dense reward besides."""
-    return [
-        "--config",
-        str(ROOT / "recipes" / "configs" / "trl_tiny_cpu.yaml"),
-        "--output_dir",
-        str(out),
-        "--run_name",
-        run_name,
-        "--model_name_or_path",
-        model,
-        "--build_tiny",
-        "null",
-        "--max_steps",
-        "6",
-        "--per_device_train_batch_size",
-        "8",
-        "--steps_per_generation",
-        "2",
-        "--num_generations",
-        "4",
-        "--max_completion_length",
-        "24",
-        "--learning_rate",
-        "5e-3",
-        "--num_generated",
-        "64",
-        "--vllm_kv_cache_gb",
-        "0.0625",
-        "--vllm_max_model_length",
-        "128",
-        "--reward_funcs",
-        "grpo.rewards:gsm8k_exact_answer_reward",
-        "trl_helpers:digit_fraction_reward",
-        *overrides,
-    ]
+    short = ["--max_steps", "6", "--num_generations", "4", "--max_completion_length", "24"]
+    return short_recipe_argv(
+        "trl_tiny_cpu.yaml", out, model, run_name, *short, "--vllm_max_model_length", "128", *overrides
+    )
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from trl_helpers import completion_logprobs, randomize_lora_b, record_syncs  # noqa: E402
+from trl_helpers import completion_logprobs, randomize_lora_b, record_syncs, short_recipe_argv  # noqa: E402
 
 from merge.trl import MergedLoraSync  # noqa: E402
 
@@ -23,33 +23,7 @@ MAX_LOGPROB_DIFF = 1e-6  # mean |vLLM - trainer| on model tokens in fp32, the st
 def recipe_argv(out: Path, model: str) -> list[str]:
     """recipes/configs/trl_tiny_cpu_tools.yaml, shortened: 2 rollouts of 16 episodes (4 prompts x 4), a dense reward
     besides (the short warm-up's model is never exactly right: the adapter still moves)."""
-    return [
-        "--config",
-        str(ROOT / "recipes" / "configs" / "trl_tiny_cpu_tools.yaml"),
-        "--output_dir",
-        str(out),
-        "--run_name",
-        "tools",
-        "--model_name_or_path",
-        model,
-        "--build_tiny",
-        "null",
-        "--max_steps",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--steps_per_generation",
-        "2",
-        "--learning_rate",
-        "5e-3",
-        "--num_generated",
-        "64",
-        "--vllm_kv_cache_gb",
-        "0.0625",
-        "--reward_funcs",
-        "grpo.rewards:gsm8k_exact_answer_reward",
-        "trl_helpers:digit_fraction_reward",
-    ]
+    return short_recipe_argv("trl_tiny_cpu_tools.yaml", out, model, "tools", "--max_steps", "4")
 
 
 class EpisodeScores:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -133,3 +134,36 @@ def record_syncs(trainer) -> list:
 
     generation.sync_weights = checked_sync
     return syncs
+
+
+def short_recipe_argv(config: str, out: Path, model: str, run_name: str, *overrides: str) -> list[str]:
+    """recipes/grpo_trl.py's arguments for ``recipes/configs/<config>``, shortened for a test: the given model as is
+    (no build), rollouts of 8 x 2 completions per device, a dense reward besides the exact answer; ``overrides``
+    last."""
+    root = Path(__file__).resolve().parents[1]
+    return [
+        "--config",
+        str(root / "recipes" / "configs" / config),
+        "--output_dir",
+        str(out),
+        "--run_name",
+        run_name,
+        "--model_name_or_path",
+        model,
+        "--build_tiny",
+        "null",
+        "--per_device_train_batch_size",
+        "8",
+        "--steps_per_generation",
+        "2",
+        "--learning_rate",
+        "5e-3",
+        "--num_generated",
+        "64",
+        "--vllm_kv_cache_gb",
+        "0.0625",
+        "--reward_funcs",
+        "grpo.rewards:gsm8k_exact_answer_reward",
+        "trl_helpers:digit_fraction_reward",
+        *overrides,
+    ]
