@@ -32,13 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import free_port, machine_info, wait_until_up
+
+from grpo.metrics import busy_fractions
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-
-from bench_common import free_port, machine_info, wait_until_up  # noqa: E402
-
-from grpo.metrics import busy_fractions  # noqa: E402
-
 MODES = (0, 1, 2)  # max_staleness
 
 
@@ -92,7 +90,7 @@ def measure(run_dir: Path, warmup: int) -> dict:
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_async.json"))
     parser.add_argument("--model", default=str(ROOT / "cache" / "tiny-qwen3-gsm8k"))
@@ -112,13 +110,12 @@ def main() -> None:
     parser.add_argument(
         "overrides", nargs="*", help="recipe overrides for every run, e.g. per_device_train_batch_size=8"
     )
-    args = parser.parse_args()
-    if not Path(args.model).exists():
-        raise SystemExit(f"--model {args.model} does not exist: README's main command builds the embedded model")
+    return parser.parse_args()
 
-    # max_steps counts optimizer steps: rollout steps x steps_per_generation (x num_iterations, 1 here)
-    shape = [f"per_device_train_batch_size={args.batch_size}", f"steps_per_generation={args.steps_per_generation}"]
-    overrides = [*shape, f"max_steps={args.rollout_steps * args.steps_per_generation}", *args.overrides]
+
+def run_repetitions(args: argparse.Namespace, overrides: list[str]) -> tuple[dict[int, list[dict]], list[float]]:
+    """Every repetition's run of each mode against one server: (each mode's measurements, the 1-minute load average
+    after each repetition)."""
     runs: dict[int, list[dict]] = {mode: [] for mode in MODES}
     load = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,23 +128,32 @@ def main() -> None:
                     run_dir = train(url, args.trainer_core, staleness, Path(tmp) / f"rep{rep}", overrides)
                     runs[staleness].append({**measure(run_dir, args.warmup), "wall_s": time.time() - started})
                     if args.timelines and rep == args.repetitions - 1:
-                        kept = args.timelines / run_dir.name
-                        kept.mkdir(parents=True, exist_ok=True)
-                        for name in ("timeline.jsonl", "config.yaml"):
-                            shutil.copy(run_dir / name, kept / name)
+                        keep_timeline(run_dir, args.timelines / run_dir.name)
                     print(f"repetition {rep + 1}, max_staleness={staleness}: {runs[staleness][-1]}", flush=True)
                 load.append(os.getloadavg()[0])
         finally:
             server.terminate()
             server.wait(timeout=60)
+    return runs, load
 
-    def spread(values: list[float]) -> dict:
-        return dict(median=statistics.median(values), min=min(values), max=max(values), each=values)
 
+def keep_timeline(run_dir: Path, kept: Path) -> None:
+    """A run's timeline.jsonl and config.yaml, copied out of the temporary folder (recipes/plot_timeline.py)."""
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in ("timeline.jsonl", "config.yaml"):
+        shutil.copy(run_dir / name, kept / name)
+
+
+def spread(values: list[float]) -> dict:
+    return dict(median=statistics.median(values), min=min(values), max=max(values), each=values)
+
+
+def summary(args: argparse.Namespace, overrides: list[str], runs: dict[int, list[dict]], load: list[float]) -> dict:
+    """The JSON: settings, every run, each mode's rollout steps per minute, the speedups and their bound."""
     sync = runs[0]
     phases = {k: statistics.median(r[f"median_{k}"] for r in sync) for k in ("sync_s", "rollout_s", "update_s")}
     s, g, u = phases["sync_s"], phases["rollout_s"], phases["update_s"]
-    result = dict(
+    return dict(
         command="python bench/bench_async.py " + " ".join(sys.argv[1:]),
         machine=machine_info(),
         settings=dict(
@@ -180,6 +186,18 @@ def main() -> None:
             "formula holds with that split's phase times: the gain is largest where G is close to S + U."
         ),
     )
+
+
+def main() -> None:
+    args = parse_args()
+    if not Path(args.model).exists():
+        raise SystemExit(f"--model {args.model} does not exist: README's main command builds the embedded model")
+
+    # max_steps counts optimizer steps: rollout steps x steps_per_generation (x num_iterations, 1 here)
+    shape = [f"per_device_train_batch_size={args.batch_size}", f"steps_per_generation={args.steps_per_generation}"]
+    overrides = [*shape, f"max_steps={args.rollout_steps * args.steps_per_generation}", *args.overrides]
+    runs, load = run_repetitions(args, overrides)
+    result = summary(args, overrides, runs, load)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in result if "speedup" in k or k == "sync_phase_medians_s"}, indent=2))

@@ -5,28 +5,30 @@ Top-level GRPO fields carry TRL's ``GRPOConfig`` names (a test checks every one 
 help and its rule in ``field(metadata=...)``: ``range`` (``">= 1"``, ``"in (0, 1]"``, ...; for a text or a list,
 what it must hold: any non-empty value, or what ``check`` accepts) or ``choices``. Unknown keys and ill-typed or
 out-of-range values fail before any work starts, with a message naming the key, the value and what is allowed.
+
+The fields and the rules that tie them together are here; reading the YAML, the overrides, the type checks and
+`ConfigError` (importable from this module as well) are in grpo/config_parsing.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
-import re
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from grpo.config_parsing import (
+    ConfigError,
+    apply_overrides,
+    build_dataclass,
+    check_rule,
+    field_leaves,
+    read_config_file,
+    section,
+    setting,
+)
 from grpo.loss import SUPPORTED_VALUES
 from grpo.loss import check_supported as check_supported_loss
-
-
-class ConfigError(ValueError):
-    """A recipe config or override is invalid; the message names the key and what is allowed."""
-
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 # vllm.max_logprob_diff when unset, per model.dtype. Measured (results/README.md): a working sync's mean |vLLM -
@@ -35,17 +37,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_l
 # also allows 10x the first step's own figure (grpo/faults.py): kernels that differ more are not stopped by these.
 MAX_LOGPROB_DIFF = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 ALIASES = {"resume_from": "resume_from_checkpoint"}  # short names accepted in overrides
-
-
-def setting(default, help: str, **rule):
-    """A config field: its default, its help and its rule (``range``, ``choices``, ``check``), declared together."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=dict(help=help, **rule))
-    return field(default=default, metadata=dict(help=help, **rule))
-
-
-def section(cls, help: str):
-    return field(default_factory=cls, metadata=dict(help=help))
 
 
 @dataclass
@@ -369,8 +360,8 @@ class RecipeConfig:
 
     def validate(self) -> None:
         """Every field's rule (its ``range`` or ``choices``), then the rules that tie fields together."""
-        for key, value, meta in _leaves(self):
-            _check_rule(key, value, meta)
+        for key, value, meta in field_leaves(self):
+            check_rule(key, value, meta)
         rollout = self.per_device_train_batch_size * self.steps_per_generation
         if rollout % self.num_generations:
             raise ConfigError(
@@ -456,122 +447,11 @@ def check_attn_implementation(name: str) -> None:
         )
 
 
-def _leaves(config, prefix: str = ""):
-    """``(dotted key, value, metadata)`` of every field, the sections' fields included."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _leaves(value, f"{prefix}{f.name}.")
-        else:
-            yield prefix + f.name, value, f.metadata
-
-
-_COMPARISON = re.compile(r"(>=|>) (\S+)")
-_INTERVAL = re.compile(r"in ([\[(])(\S+), (\S+?)([\])])")
-
-
-def _check_rule(key: str, value, meta) -> None:
-    """A field's ``choices`` or ``range`` (None passes where the type allows it: the type is checked at load)."""
-    if value is None:
-        return
-    if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(meta['choices'])}")
-    rule = meta.get("range")
-    if rule is None:
-        return
-    if isinstance(value, (str, list)):  # a text or a list: non-empty, and what `check` accepts
-        ok = bool(value) and meta.get("check", bool)(value)
-    elif match := _COMPARISON.match(rule):
-        low = float(match[2])
-        ok = value >= low if match[1] == ">=" else value > low
-    else:
-        opening, low, high, closing = _INTERVAL.match(rule).groups()
-        ok = ((value >= float(low)) if opening == "[" else (value > float(low))) and (
-            (value <= float(high)) if closing == "]" else (value < float(high))
-        )
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is out of range: it must be {rule}")
-
-
-def _typed(value, tp, key: str):
-    """``value`` checked against a field's annotation (``X``, ``X | None``, ``list[X]``); an int is taken for a
-    float. Returns the value."""
-    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    if value is None and type(None) in options:
-        return None
-    (tp,) = [t for t in options if t is not type(None)]
-    if typing.get_origin(tp) is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
-            raise ConfigError(f"{key}={value!r} must be a list of {item.__name__}")
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}={value!r} must be of type {tp.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _build(cls, data: dict, prefix: str = ""):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown config key {prefix + key!r}{hint} Allowed keys: {', '.join(names)}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _typed(value, tp, f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-class _YAMLLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's floats: YAML 1.1 reads ``1e-5`` (no dot) as a string."""
-
-
-_YAMLLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789.")
-)
-
-
-def _set_dotted(data: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
-    node[leaf] = value
-
-
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
     """Load a recipe YAML and apply ``key=value`` / ``section.key=value`` overrides (values parsed as YAML)."""
-    data = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.load(path.read_text(), Loader=_YAMLLoader) or {}
-        except yaml.YAMLError as err:  # one line: where the file stops being YAML
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. lora.merge=false)")
-        key = ALIASES.get(key.strip(), key.strip())
-        try:
-            value = yaml.load(raw, Loader=_YAMLLoader)
-        except yaml.YAMLError:  # e.g. "Q: {question}": not YAML, but a fine string
-            value = raw
-        _set_dotted(data, key, value)
-    config = _build(RecipeConfig, data)
+    data = read_config_file(path) if path is not None else {}
+    apply_overrides(data, overrides, ALIASES)
+    config = build_dataclass(RecipeConfig, data)
     config.validate()
     return config
 

@@ -2,8 +2,8 @@
 
 `reduce_statistics` reduces each named statistic with its own operation (sums, `*_min`, `*_max`; phase times are
 the slowest rank's), `step_metrics` turns the totals into the line the plots read, `write_metrics` appends it to
-the run folder's metrics.jsonl (rank 0) and hands it to the trackers (`report_to`); `Timeline` writes when each
-side was busy (server mode).
+the run folder's metrics.jsonl (rank 0) and hands it to the trackers (`report_to`), `log_rollout_step` logs its
+progress line; `Timeline` writes when each side was busy (server mode).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import resource
 import time
@@ -21,6 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from grpo.loss import reduce_op
 from grpo.parallel import reduce_across_ranks
+
+log = logging.getLogger("grpo")
 
 
 def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: torch.device) -> dict:
@@ -173,6 +176,25 @@ def write_metrics(metrics: dict, run_dir: Path, trackers, rank: int) -> None:
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         trackers.log(metrics, step=metrics["global_step"])
+
+
+def log_rollout_step(metrics: dict, num_rollout_steps: int) -> None:
+    """The rollout step's progress line in the log: reward, PPO ratios, the |vLLM - trainer| gap, speed, sync."""
+    log.info(
+        "rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
+        "|vllm-trainer| %.2e tok/s %.0f sync %.2fs",
+        metrics["rollout_step"],
+        num_rollout_steps,
+        metrics["global_step"],
+        metrics["reward_mean"],
+        metrics["ratio_mean"],
+        metrics["ratio_min"],
+        metrics["ratio_max"],
+        metrics["ratio_onpolicy_maxdev"],
+        metrics["rollout_logprob_diff_mean"],
+        metrics["rollout_tokens_per_s"],
+        metrics["sync_s"],
+    )
 
 
 def params_digest(model) -> str:

@@ -9,9 +9,6 @@ optimizer and the vLLM engine, and a checkpoint to resume from.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import logging
 import math
 import os
@@ -20,11 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from grpo.checkpointing import check_resumable, list_checkpoints, load_checkpoint, resolve_checkpoint
+from grpo.checkpointing import list_checkpoints, load_checkpoint
 from grpo.config import ConfigError, RecipeConfig, config_to_dict
 from grpo.data import check_reward_columns, held_out_problems, load_problems, load_reward_funcs, tokenize_prompts
 from grpo.engines.build import prepare_engine
@@ -46,7 +42,7 @@ from grpo.parallel import (
     init_distributed,
 )
 from grpo.policy_versions import PolicyVersions
-from grpo.provenance import record_provenance
+from grpo.run_folder import output_dir_problem, resume_or_new_run, start_run_dir
 from grpo.tools import ToolEngine, load_tools
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
@@ -137,51 +133,25 @@ class Run:
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
 
 
-def free_run_name(output_dir: str, run_name: str) -> str:
-    """``run_name``, or else the first of ``run_name-2``, ``run_name-3``, ... whose folder holds no checkpoint.
-
-    Every rank finds the same name: no rank writes a checkpoint before all of them have passed start-up.
-    """
-    name, number = run_name, 1
-    while list_checkpoints(Path(output_dir) / name):
-        number += 1
-        name = f"{run_name}-{number}"
-    return name
+def check_compute_dtype(cfg: RecipeConfig, fsdp: FSDPSettings) -> None:
+    """fp16 weights need fp16 compute (with its loss scaling): accelerate's bf16 mixed precision is refused."""
+    if fsdp.mixed_precision == "bf16" and cfg.model.dtype == "float16":
+        raise ConfigError(
+            "model.dtype=float16 with accelerate's mixed_precision='bf16' would compute in bf16 on fp16 "
+            "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)"
+        )
 
 
-def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rollout_step: int) -> Path:
-    """Create <output_dir>/<run_name>/ (rank 0), route the log into its train.log; on resume, trim metrics.jsonl
-    and timeline.jsonl."""
-    run_dir = Path(cfg.output_dir) / cfg.run_name
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            (run_dir / "train.log").write_text("")
-        # mode "a": importing vLLM closes existing handlers (logging.config.dictConfig); "a" reopens, "w" would not
-        logging.getLogger().addHandler(logging.FileHandler(run_dir / "train.log", mode="a"))
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        record_provenance(run_dir / "provenance.json", resumed=bool(resume))
-        # a resumed run keeps the rollout steps up to its checkpoint and redoes the rest (evaluations from the
-        # checkpoint's weights on, too: they come again after the first sync)
-        for lines_file in (run_dir / "metrics.jsonl", run_dir / "timeline.jsonl"):
-            earlier = lines_file.read_text().splitlines() if resume and lines_file.exists() else []
-            kept = [line for line in earlier if keep_on_resume(json.loads(line), resumed_rollout_step)]
-            if kept or lines_file.name == "metrics.jsonl":
-                lines_file.write_text("".join(line + "\n" for line in kept))
-            else:
-                lines_file.unlink(missing_ok=True)
-    return run_dir
-
-
-def keep_on_resume(line: dict, resumed_rollout_step: int) -> bool:
-    if any(key.startswith("eval_") for key in line):
-        return line["rollout_step"] < resumed_rollout_step
-    return line["rollout_step"] <= resumed_rollout_step
+def warn_if_stale_sequence_weights(cfg: RecipeConfig) -> None:
+    """Asynchronous rollouts learn worse with sequence-level importance weights (results/, docs/async.md)."""
+    if cfg.max_staleness > 0 and cfg.vllm_importance_sampling_mode.startswith("sequence_"):
+        log.warning(
+            "max_staleness=%d with vllm_importance_sampling_mode=%s: a completion's weight is the product of its "
+            "tokens' ratios, which staleness spreads widely; token_truncate (per token, AReaL's decoupled PPO) "
+            "learned closer to the synchronous run in results/ (docs/async.md)",
+            cfg.max_staleness,
+            cfg.vllm_importance_sampling_mode,
+        )
 
 
 def check_paths(cfg: RecipeConfig, rank: int) -> None:
@@ -201,24 +171,6 @@ def check_paths(cfg: RecipeConfig, rank: int) -> None:
         problem = shared[0]
     if problem is not None:
         raise ConfigError(problem)
-
-
-def output_dir_problem(path: str) -> str | None:
-    """What keeps this process from writing runs into ``path``, or None."""
-    output_dir = Path(path)
-    if output_dir.exists() and not output_dir.is_dir():
-        return f"output_dir={path!r} is a file, not a folder"
-    made = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]  # deepest first
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        writable = os.access(output_dir, os.W_OK | os.X_OK)
-    except OSError as error:
-        return f"output_dir={path!r} cannot be created: {error.strerror or error}"
-    finally:
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-    return None if writable else f"output_dir={path!r} is not writable by this process"
 
 
 def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
@@ -368,26 +320,28 @@ def lr_lambda(cfg: RecipeConfig, total_updates: int):
     return schedule
 
 
+def build_optimizer(cfg: RecipeConfig, model: torch.nn.Module, total_updates: int):
+    """AdamW over the trainable (adapter) weights, and its learning-rate schedule over ``total_updates`` steps."""
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_updates))
+
+
 def setup(cfg: RecipeConfig) -> Run:
     """Processes, run folder, data, policy, optimizer, rollout engine; resumed from a checkpoint if asked."""
     fsdp = fsdp_settings()
-    if fsdp.mixed_precision == "bf16" and cfg.model.dtype == "float16":
-        raise ConfigError(
-            "model.dtype=float16 with accelerate's mixed_precision='bf16' would compute in bf16 on fp16 "
-            "weights: use mixed_precision: 'no' in the accelerate config (model.dtype decides)"
-        )
+    check_compute_dtype(cfg, fsdp)
     rank, world, device = init_distributed()
     check_paths(cfg, rank)
     tools = load_tools(cfg.tools)  # a tool that cannot be imported or described: refused before any work
     # refuses what the engine cannot do here (or a server that is not there), before any work
     start_engine = prepare_engine(cfg, rank=rank, world=world, device_type=device.type)
     named_dir = Path(cfg.output_dir) / cfg.run_name
-    resume = resolve_checkpoint(cfg.resume_from_checkpoint, named_dir) if cfg.resume_from_checkpoint else None
-    if resume is None:  # a new run never writes over an earlier run's checkpoints
-        cfg = dataclasses.replace(cfg, run_name=free_run_name(cfg.output_dir, cfg.run_name))
-    if resume:
-        check_resumable(resume, config_to_dict(cfg))
-    resumed_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {}
+    cfg, resume, resumed_state = resume_or_new_run(cfg)
     resumed = resumed_state.get("rollout_step", 0)
     trackers = check_report_to(cfg.report_to)
     prepare_model_path(cfg, rank)
@@ -404,14 +358,7 @@ def setup(cfg: RecipeConfig) -> Run:
         )
     check_shared_output_dir(run_dir, rank, world)
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
-    if cfg.max_staleness > 0 and cfg.vllm_importance_sampling_mode.startswith("sequence_"):
-        log.warning(
-            "max_staleness=%d with vllm_importance_sampling_mode=%s: a completion's weight is the product of its "
-            "tokens' ratios, which staleness spreads widely; token_truncate (per token, AReaL's decoupled PPO) "
-            "learned closer to the synchronous run in results/ (docs/async.md)",
-            cfg.max_staleness,
-            cfg.vllm_importance_sampling_mode,
-        )
+    warn_if_stale_sequence_weights(cfg)
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     reward_funcs = dict(zip(cfg.reward_funcs, load_reward_funcs(cfg.reward_funcs)))
@@ -424,15 +371,9 @@ def setup(cfg: RecipeConfig) -> Run:
     eval_problems = held_out_problems(cfg, tokenizer, problems, tools)
 
     model, compute_dtype = build_policy(cfg, device, rank, world, fsdp)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.weight_decay,
-    )
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, num_rollout_steps * updates_per_rollout))
+    optimizer, scheduler = build_optimizer(cfg, model, total_updates=num_rollout_steps * updates_per_rollout)
     engine = ToolEngine(start_engine(), tokenizer, tools, cfg) if tools else start_engine()  # multi-turn episodes
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
         load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)

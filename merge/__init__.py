@@ -1,6 +1,6 @@
 """Merged LoRA weights for the rollout engine, one decoder layer at a time, without touching the trainer.
 
-The public names, re-exported from the modules that hold them (README.md's layout).
+The public names, re-exported from the modules that hold them (docs/layout.md).
 """
 
 from merge.layers import (

@@ -1,6 +1,6 @@
 """Padding-free (packed) log-probs put back into the padded response layout, with one rule.
 
-The public names, re-exported from the modules that hold them (README.md's layout).
+The public names, re-exported from the modules that hold them (docs/layout.md).
 """
 
 from padding.layout import PackedBatch, legacy_slice_response, no_padding_2_padding, pad, response_layout, unpad

@@ -27,17 +27,17 @@ norm or fp16 overflow (in a forward, in the merged weights) stops the step befor
 scaling skips a step whose gradients overflowed; the |vLLM - trainer| log-prob guard catches a broken weight sync.
 `resume_from_checkpoint=<dir>|last` continues at the next rollout step with the results of an uninterrupted run.
 
-The parts live in the `grpo` package (README.md's layout says what each module holds).
+The parts live in the `grpo` package (docs/layout.md says what each module holds).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
 from grpo.config import ConfigError, RecipeConfig, config_to_dict, load_config
+from grpo.exits import exit_refused, exit_with_line
 
 
 def load_config_or_exit(argv: list[str] | None = None) -> RecipeConfig:
@@ -51,30 +51,6 @@ def load_config_or_exit(argv: list[str] | None = None) -> RecipeConfig:
         return load_config(args.config, args.overrides)
     except ConfigError as err:
         exit_refused(err)
-
-
-def exit_with_line(err: Exception, code: int, every_rank: bool = False) -> None:
-    """Print ``error: <err>`` (rank 0 only, unless ``every_rank``) and exit with ``code``. Under ``accelerate
-    launch`` / torchrun the line also goes to torchelastic's error file, so that the launcher's failure summary
-    names it instead of "To enable traceback see ..." (the launcher still exits 1 with its own summary)."""
-    line = f"error: {err}"
-    if every_rank or int(os.environ.get("RANK", "0")) == 0:
-        sys.stderr.write(line + "\n")  # one write: lines of ranks that stop at once do not interleave
-        sys.stderr.flush()
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        import json
-        import time
-
-        with contextlib.suppress(OSError):
-            with open(error_file, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-    sys.exit(code)
-
-
-def exit_refused(err: Exception) -> None:
-    """A bad input found before any work: one line, from one process, exit code 2."""
-    exit_with_line(err, 2)
 
 
 if __name__ == "__main__":
@@ -97,7 +73,7 @@ from grpo.data import group_advantages, make_batch, score, select
 from grpo.engines.server import ServerError
 from grpo.faults import StopRequest, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
-from grpo.metrics import params_digest, reduce_statistics, step_metrics, write_metrics
+from grpo.metrics import log_rollout_step, params_digest, reduce_statistics, step_metrics, write_metrics
 from grpo.parallel import gather_across_ranks, reduce_across_ranks
 from grpo.policy_versions import sampler_log_probs
 from grpo.run import Run, setup
@@ -309,21 +285,7 @@ def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, updat
     metrics["step_s"] = time.perf_counter() - t_step
     write_metrics(metrics, run.run_dir, run.trackers, run.rank)
     if run.rank == 0:
-        log.info(
-            "rollout %d/%d (optimizer step %d) reward %.3f ratio %.6f [%.4g, %.4g] on-policy |ratio-1| %.1e "
-            "|vllm-trainer| %.2e tok/s %.0f sync %.2fs",
-            rollout_step,
-            run.num_rollout_steps,
-            metrics["global_step"],
-            metrics["reward_mean"],
-            metrics["ratio_mean"],
-            metrics["ratio_min"],
-            metrics["ratio_max"],
-            metrics["ratio_onpolicy_maxdev"],
-            metrics["rollout_logprob_diff_mean"],
-            metrics["rollout_tokens_per_s"],
-            metrics["sync_s"],
-        )
+        log_rollout_step(metrics, run.num_rollout_steps)
     return metrics
 
 

@@ -1,0 +1,33 @@
+"""How the recipe ends on an error: one line on stderr instead of a traceback, and an exit code that says which kind.
+
+Standard library only: the recipe uses it before its slow imports, for a config it refuses within seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+
+def exit_with_line(err: Exception, code: int, every_rank: bool = False) -> None:
+    """Print ``error: <err>`` (rank 0 only, unless ``every_rank``) and exit with ``code``. Under ``accelerate
+    launch`` / torchrun the line also goes to torchelastic's error file, so that the launcher's failure summary
+    names it instead of "To enable traceback see ..." (the launcher still exits 1 with its own summary)."""
+    line = f"error: {err}"
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
+        sys.stderr.write(line + "\n")  # one write: lines of ranks that stop at once do not interleave
+        sys.stderr.flush()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            with open(error_file, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+    sys.exit(code)
+
+
+def exit_refused(err: Exception) -> None:
+    """A bad input found before any work: one line, from one process, exit code 2."""
+    exit_with_line(err, 2)
