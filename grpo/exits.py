@@ -1,10 +1,12 @@
-"""How the recipe ends on an error: one line on stderr instead of a traceback, and an exit code that says which kind.
+"""How the recipe ends: on an error, one line on stderr instead of a traceback and an exit code that says which kind;
+after a complete run, without the interpreter's slow teardown (`exit_finished`).
 
 Standard library only: the recipe uses it before its slow imports, for a config it refuses within seconds.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -31,3 +33,14 @@ def exit_with_line(err: Exception, code: int, every_rank: bool = False) -> None:
 def exit_refused(err: Exception) -> None:
     """A bad input found before any work: one line, from one process, exit code 2."""
     exit_with_line(err, 2)
+
+
+def exit_finished() -> None:
+    """Exit 0 after a complete run, without the interpreter's teardown of torch's, transformers' and vLLM's modules:
+    4-5 s per process on 2 CPU cores, after the run's last line. By now every file the run writes is closed, the
+    engine is shut down and the process group destroyed; the atexit handlers (logging's flush among them) still
+    run, and the streams are flushed, before ``os._exit``."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

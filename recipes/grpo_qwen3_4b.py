@@ -37,7 +37,7 @@ import os
 import sys
 
 from grpo.config import ConfigError, RecipeConfig, config_to_dict, load_config
-from grpo.exits import exit_refused, exit_with_line
+from grpo.exits import exit_finished, exit_refused, exit_with_line
 
 
 def load_config_or_exit(argv: list[str] | None = None) -> RecipeConfig:
@@ -448,3 +448,4 @@ if __name__ == "__main__":
         main(CONFIG)
     except ServerError as err:  # the server went away mid-run: one line from each rank that waited on it
         exit_with_line(err, 1, every_rank=True)
+    exit_finished()

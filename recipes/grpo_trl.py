@@ -55,6 +55,7 @@ import yaml  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from grpo.data import load_reward_funcs  # noqa: E402
+from grpo.exits import exit_finished  # noqa: E402
 from grpo.parallel import reduce_across_ranks  # noqa: E402
 from grpo.tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
 from grpo.tiny_tools import build_tool_model  # noqa: E402
@@ -477,6 +478,7 @@ def check_server_settings(training_args, model_args) -> None:
         model_args.model_name_or_path,
         dtype=model_args.dtype,
         max_model_len=training_args.vllm_max_model_length or 0,
+        salted=False,  # TRL sends the requests, without a cache_salt
     )
 
 
@@ -495,3 +497,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_finished()

@@ -34,7 +34,8 @@ serve_tiny() {  # $1: the server's dtype, $2: its log's name, [$3: model, $4: ma
       --host 127.0.0.1 --port 8391 --dtype "$1" --enforce-eager --max-model-len "${4:-160}" \
       --kv-cache-memory-bytes 268435456 \
       --enable-scale-out --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs \
-      --no-enable-prefix-caching --max-num-batched-tokens 16384 > "${TMPDIR:-/tmp}/$2.serve.log" 2>&1 &
+      --enable-prefix-caching --enable-prompt-tokens-details --max-num-batched-tokens 16384 \
+      > "${TMPDIR:-/tmp}/$2.serve.log" 2>&1 &
   server=$!
   until curl -sf http://127.0.0.1:8391/health > /dev/null; do kill -0 $server; sleep 2; done
 }
@@ -100,3 +101,5 @@ kill $server; wait $server || true
 .venv/bin/python bench/plot_precision.py results/bench_precision.json --out results/bench_precision.png
 # server mode: lora_merge vs full merged weights vs vLLM LoRA per sync, and the server's rollout tokens/s
 .venv/bin/python bench/bench_server.py --out results/bench_server.json
+# multi-turn rollouts with the server's prefix cache on and off (docs/tools.md)
+.venv/bin/python bench/bench_tool_cache.py --out results/bench_tool_cache.json

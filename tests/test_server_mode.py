@@ -11,6 +11,7 @@ log-probs after a load are the peft model's, and a second load replaces the firs
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -121,6 +122,38 @@ def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
     assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
     engine.close()
+
+
+def test_a_weight_version_never_reads_blocks_another_cached_while_the_unsalted_control_does(server):
+    """The salt alone, with no /pause between the versions to clear the cache (a sync clears it as well)."""
+    from vllm import SamplingParams
+
+    from grpo.engines.server import ServerEngine
+
+    url, model = server
+    engine = ServerEngine(url, model)
+    prompt = [8 + i % 50 for i in range(150)]  # more than one 128-token block
+    sampling = SamplingParams(n=1, temperature=1.0, max_tokens=4, logprobs=0)
+
+    def cached_tokens(version: str, salt: str | None = None) -> int:
+        requests.post(f"{url}/update_weight_version", json={"new_version": version}).raise_for_status()
+        engine.version = version  # a label only: the weights and the cache stay
+        if salt is None:
+            pending = engine.send([prompt], sampling)
+            engine.receive(pending)
+            return pending.cached_tokens[0]
+        body = dict(token_ids=prompt, model=engine.served_name, cache_salt=salt, sampling_params={"max_tokens": 1})
+        reply = requests.post(f"{url}/inference/v1/generate", json=body, timeout=60).json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        assert cached_tokens("1") == 0
+        version_1 = engine.cache_salt()
+        assert cached_tokens("1") == 128  # one version's requests share their blocks
+        assert cached_tokens("2") == 0  # the next version's salt reaches none of them
+        assert cached_tokens("2", salt=version_1) == 128  # the control: they are still there, under version 1's salt
+    finally:
+        engine.close()
 
 
 @pytest.fixture
@@ -373,11 +406,15 @@ class FakeServer:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.health: int | None = 200
-        self.server_info = {  # /server_info's settings, as a server started by serve_command reports them
+        self.server_info = {  # /server_info's settings, as a server started by serve_command reports them (its
+            # prefix cache aside: test_a_prefix_cache_is_accepted_only_where_it_honours_the_salt_every_request_carries)
             "model_config": {"logprobs_mode": "processed_logprobs", "dtype": "torch.float32", "max_model_len": 256},
             "cache_config": {"enable_prefix_caching": False},
         }
         self.posts: list[str] = []  # every POST's path and query, in order
+        # with prefix caching on: whether the cache keys blocks by cache_salt ("salted") or not ("unsalted"), and
+        # whether a reply reports its cached tokens
+        self.cache_keys, self.reports_cached_tokens, self.cached = "salted", True, set()
         self.released = threading.Event()  # lets the requests left hanging go at stop()
         self.generating = threading.Semaphore(0)  # released once per generation request received
         fake = self
@@ -414,10 +451,14 @@ class FakeServer:
                         return
                     fake.generating.release()
                     fake.released.wait(generate_delay)  # None: until stop()
+                    key = (tuple(body["token_ids"]), body.get("cache_salt") if fake.cache_keys == "salted" else None)
+                    cached, _ = (len(body["token_ids"]) - 1 if key in fake.cached else 0), fake.cached.add(key)
+                    usage = {"prompt_tokens_details": {"cached_tokens": cached}} if fake.reports_cached_tokens else {}
                     if not fake.released.is_set():  # one completion, sampled from weight version "7"
                         self.reply(
                             200,
                             {
+                                "usage": usage,
                                 "choices": [
                                     {
                                         "index": 0,
@@ -431,7 +472,7 @@ class FakeServer:
                                         },
                                         "weight_versions": [{"version": "7", "start": 0, "end": 2}],
                                     }
-                                ]
+                                ],
                             },
                         )
                 else:
@@ -482,15 +523,40 @@ def test_a_server_whose_settings_differ_from_the_runs_is_refused_naming_each_fla
         fake.server_info["model_config"].update(
             logprobs_mode="raw_logprobs", dtype="torch.bfloat16", quantization="fp8", max_model_len=128
         )
-        fake.server_info["cache_config"]["enable_prefix_caching"] = True
+        fake.server_info["cache_config"].update(enable_prefix_caching=True, block_size=16)
+        fake.cache_keys = "unsalted"
         fake.server_info["parallel_config"] = {"data_parallel_size": 2, "data_parallel_hybrid_lb": True}
         with pytest.raises(ServerError, match="cannot serve this run") as caught:
             ServerEngine.check_settings(fake.url, "m", dtype="float32", max_model_len=160)
         message = str(caught.value)
-        flags = ("processed_logprobs", "--no-enable-prefix-caching", "--dtype float32", "fp8", "--max-model-len 160")
+        flags = ("processed_logprobs", "ignores cache_salt", "--dtype float32", "fp8", "--max-model-len 160")
         flags += ("--data-parallel-hybrid-lb",)
         assert all(flag in message for flag in flags), message
         assert fake.url in message and "\n" not in message
+    finally:
+        fake.stop()
+
+
+def test_a_prefix_cache_is_accepted_only_where_it_honours_the_salt_every_request_carries():
+    from grpo.engines.server import ServerEngine, ServerError
+
+    fake = FakeServer(backend=True)
+    fake.server_info["cache_config"].update(enable_prefix_caching=True, block_size=16)
+    check = functools.partial(ServerEngine.check_settings, fake.url, "m", dtype="float32", max_model_len=160)
+    try:
+        check()  # keyed by salt and reporting cached tokens: accepted
+        assert fake.posts.count("/inference/v1/generate") == 3
+        fake.cache_keys = "unsalted"  # one salt's blocks serve another's prompt
+        with pytest.raises(ServerError, match=r"ignores cache_salt \(16 of a 17-token prompt .*--no-enable-prefix"):
+            check()
+        fake.cache_keys, fake.reports_cached_tokens = "salted", False  # cannot tell
+        with pytest.raises(ServerError, match="--enable-prompt-tokens-details"):
+            check()
+        fake.reports_cached_tokens = True
+        with pytest.raises(ServerError, match="TRL's requests carry no cache_salt"):  # the TRL recipe's check
+            check(salted=False)
+        check(max_model_len=17)  # no prompt can fill a block: nothing is ever cached, nothing to ask
+        assert fake.posts.count("/inference/v1/generate") == 9
     finally:
         fake.stop()
 

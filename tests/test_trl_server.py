@@ -24,8 +24,9 @@ MAX_LOGPROB_DIFF = 1e-6  # mean |vLLM - trainer| in fp32 through a lora_merge se
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    """A ``vllm serve`` on the embedded model with the lora_merge backend (test_server_mode's); (url, model path)."""
-    with serving(tiny_model, tmp_path_factory.mktemp("server") / "server.log") as running:
+    """A ``vllm serve`` on the embedded model with the lora_merge backend (test_server_mode's), without a prefix
+    cache (TRL's requests carry no cache_salt: docs/trl.md); (url, model path)."""
+    with serving(tiny_model, tmp_path_factory.mktemp("server") / "server.log", prefix_caching=False) as running:
         yield running
 
 

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import itertools
 import os
+import secrets
 import shlex
 import time
 import urllib.parse
@@ -64,7 +65,8 @@ def serve_command(url: str, model: str, merge: bool = True) -> str:
         f"{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(model)} "
         f"--host {address.hostname} --port {address.port or 80} "
         '--enable-scale-out --weight-transfer-config \'{"backend": "lora_merge"}\' '
-        "--logprobs-mode processed_logprobs --no-enable-prefix-caching --max-num-batched-tokens 16384 "
+        "--logprobs-mode processed_logprobs --enable-prefix-caching --enable-prompt-tokens-details "
+        "--max-num-batched-tokens 16384 "
         f"{lora}".strip()
     )
 
@@ -76,6 +78,42 @@ def connection_failure(error: Exception) -> str:
         if words in text:
             return f"ConnectionError: {words.lower()}"
     return f"ConnectionError: {' '.join(text.split())[-120:]}"
+
+
+def cache_salt_problems(url: str, block_size: int, max_model_len: int) -> list[str]:
+    """What keeps a prefix-caching server from honouring ``cache_salt``, found by asking it: one prompt a block and
+    a token long, sent three times, and the cached tokens of each (``usage.prompt_tokens_details``). The second
+    (same salt) shows the cache works; the third (another salt) must find none of it, or a block cached under one
+    weight version could serve another's request. Random ids (the system's randomness, not the run's RNG): no two
+    ranks' probes share a block. Empty when nothing is wrong, or when no prompt fits a whole block (none is cached)."""
+    import random
+
+    import requests
+
+    if max_model_len < block_size + 2:
+        return []
+    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    prompt = [random.SystemRandom().randrange(8, 64) for _ in range(block_size + 1)]
+    salts = [f"probe-{secrets.token_hex(8)}" for _ in range(2)]
+
+    def cached_tokens(salt: str) -> int | None:
+        sampling = dict(max_tokens=1, detokenize=False)
+        body = dict(token_ids=prompt, model=model, cache_salt=salt, sampling_params=sampling)
+        reply = requests.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+        reply.raise_for_status()
+        details = (reply.json().get("usage") or {}).get("prompt_tokens_details") or {}
+        return details.get("cached_tokens")
+
+    cached_tokens(salts[0])  # fills the cache
+    again, other = cached_tokens(salts[0]), cached_tokens(salts[1])
+    if again is None:
+        return ["it caches prefixes without reporting a request's cached tokens (add --enable-prompt-tokens-details)"]
+    if other:
+        return [
+            f"its prefix cache ignores cache_salt ({other} of a {len(prompt)}-token prompt cached under another "
+            "salt were reused): KV computed with one weight version could serve the next (--no-enable-prefix-caching)"
+        ]
+    return []
 
 
 def _sampling_json(sampling, seed: int) -> dict:
@@ -101,6 +139,7 @@ class PendingGeneration:
     sent_version: int  # the weight version the server served when they were sent: no token is older
     sent_at: float = field(default_factory=time.time)  # seconds since the epoch
     times: list[tuple[float, float]] = field(default_factory=list)  # per request (sent, answered), once received
+    cached_tokens: list[int] = field(default_factory=list)  # per request, prompt tokens the prefix cache served
 
 
 class ServerEngine:
@@ -142,6 +181,7 @@ class ServerEngine:
         self.pause_mode = pause_mode  # how a sync pauses the server: "wait" (synchronous), "keep" (max_staleness>=1)
         self.in_flight: set[str] = set()  # ids of this process's requests the server has not answered yet
         self._request_ids = (f"grpo-{os.getpid()}-{rank}-{n}" for n in itertools.count())
+        self._salt = f"grpo-{secrets.token_hex(8)}-{rank}"  # `cache_salt`
 
     @classmethod
     def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> ServerEngine:
@@ -246,10 +286,13 @@ class ServerEngine:
             )
 
     @staticmethod
-    def check_settings(url: str, model: str, *, dtype: str, max_model_len: int, merge: bool = True) -> None:
+    def check_settings(
+        url: str, model: str, *, dtype: str, max_model_len: int, merge: bool = True, salted: bool = True
+    ) -> None:
         """Before the model loads: the server samples what the trainer scores (processed log-probs, model.dtype,
-        unquantized weights, no prefix cache kept across syncs) and holds a prompt with its completion; else one
-        line naming each flag to change (vLLM's /server_info, a VLLM_SERVER_DEV_MODE route)."""
+        unquantized weights, a prefix cache that honours each request's ``cache_salt``, or none where the requests
+        are not ``salted``) and holds a prompt with its completion; else one line naming each flag to change
+        (vLLM's /server_info, a VLLM_SERVER_DEV_MODE route)."""
         import requests
 
         url = url.rstrip("/")
@@ -265,7 +308,10 @@ class ServerEngine:
             ) from None
         problems = server_setting_problems(config, merge)
         if cache_config.get("enable_prefix_caching"):
-            problems.append("it caches prefixes across syncs (add --no-enable-prefix-caching)")
+            if not salted:
+                problems.append("it caches prefixes; TRL's requests carry no cache_salt (--no-enable-prefix-caching)")
+            else:
+                problems += cache_salt_problems(url, int(cache_config.get("block_size") or 16), max_model_len)
         served = str(model_config.get("dtype")).removeprefix("torch.")
         if served != dtype:
             problems.append(f"it serves {served}, the trainer computes in model.dtype={dtype} (--dtype {dtype})")
@@ -276,6 +322,11 @@ class ServerEngine:
             )
         if problems:
             raise ServerError(f"the vLLM server at {url} cannot serve this run: {'; '.join(problems)}")
+
+    def cache_salt(self) -> str:
+        """The ``cache_salt`` of a request sent now: this engine's and the weight version's. vLLM hashes it into a
+        prompt's first block, so one version's cached blocks are never another's prefix, nor another trainer's."""
+        return f"{self._salt}-v{self.version}"
 
     # -- the engine interface --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -403,6 +454,7 @@ class ServerEngine:
         model = self.lora_name if not self.merge else self.served_name
         request_ids = [next(self._request_ids) for _ in prompt_ids]
         self.in_flight.update(request_ids)
+        salt = self.cache_salt()
 
         def one(ids, params, seed, request_id):
             sent = time.time()
@@ -414,6 +466,7 @@ class ServerEngine:
                         model=model,
                         request_id=request_id,
                         sampling_params=_sampling_json(params, seed),
+                        cache_salt=salt,
                     ),
                 )
             finally:
@@ -432,6 +485,8 @@ class ServerEngine:
         replies = self._results_watching_health(pending.futures, "generating")
         expected = {str(v) for v in range(pending.sent_version, int(self.version) + 1)}
         pending.times = [(sent, answered) for _, sent, answered in replies]
+        usage = [(response.get("usage") or {}).get("prompt_tokens_details") or {} for response, _, _ in replies]
+        pending.cached_tokens = [details.get("cached_tokens") or 0 for details in usage]
         samples = []
         for index, (ids, (response, _, _)) in enumerate(zip(pending.prompt_ids, replies)):
             for choice in sorted(response["choices"], key=lambda c: c["index"]):

