@@ -27,15 +27,15 @@ done
 "${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_moe_cpu.yaml output_dir=results
 # vllm.mode=server (docs/server.md): the main run's config with rollouts from a `vllm serve` on the same machine,
 # in fp32 (results/tiny-cpu-server) and in bf16 as the precision set's runs (results/precision/bf16-server)
-serve_tiny() {  # $1: the server's dtype, $2: its log's name, [$3: model, $4: max model length]; the server's pid in
-  # $server once it answers
+serve_tiny() {  # $1: the server's dtype, $2: its log's name, [$3: model, $4: max model length, $5: KV block size
+  # (vLLM's CPU default: 128)]; the server's pid in $server once it answers
   if curl -sf http://127.0.0.1:8391/health > /dev/null; then echo "another server answers on port 8391" >&2; exit 1; fi
   VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model "${3:-cache/tiny-qwen3-gsm8k}" \
       --host 127.0.0.1 --port 8391 --dtype "$1" --enforce-eager --max-model-len "${4:-160}" \
       --kv-cache-memory-bytes 268435456 \
       --enable-scale-out --weight-transfer-config '{"backend": "lora_merge"}' --logprobs-mode processed_logprobs \
       --enable-prefix-caching --enable-prompt-tokens-details --max-num-batched-tokens 16384 \
-      > "${TMPDIR:-/tmp}/$2.serve.log" 2>&1 &
+      --block-size "${5:-128}" > "${TMPDIR:-/tmp}/$2.serve.log" 2>&1 &
   server=$!
   until curl -sf http://127.0.0.1:8391/health > /dev/null; do kill -0 $server; sleep 2; done
 }
@@ -67,7 +67,7 @@ kill $server; wait $server || true
 tools=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_tools.yaml output_dir=results)
 "${launch[@]}" "${tools[@]}"
 "${launch[@]}" "${tools[@]}" tool_calling.retokenize=true run_name=tiny-cpu-tools-retokenized
-serve_tiny float32 tiny-cpu-tools-server cache/tiny-qwen3-tools 192
+serve_tiny float32 tiny-cpu-tools-server cache/tiny-qwen3-tools 192 32
 "${launch[@]}" "${tools[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 run_name=tiny-cpu-tools-server
 kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_tools.yaml --output_dir results
