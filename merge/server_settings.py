@@ -1,8 +1,11 @@
 """What a vLLM server must serve for a trainer to score its samples, read from its ``/server_info`` (a
 ``VLLM_SERVER_DEV_MODE=1`` route): `server_setting_problems` names each setting to change, for the recipe's server
-engine (`grpo.engines.server.ServerEngine.check_settings`) and for TRL's (`merge.trl`) alike."""
+engine (`grpo.engines.server.ServerEngine.check_settings`) and for TRL's (`merge.trl`) alike; `cache_salt_problems`
+asks a prefix-caching server whether it keeps apart what each request's ``cache_salt`` says to."""
 
 from __future__ import annotations
+
+import secrets
 
 
 def server_setting_problems(config: dict, merge: bool = True) -> list[str]:
@@ -27,3 +30,39 @@ def server_setting_problems(config: dict, merge: bool = True) -> list[str]:
             "wait for the others; serve one data-parallel group behind one front end (internal balancing)"
         )
     return problems
+
+
+def cache_salt_problems(url: str, block_size: int, max_model_len: int) -> list[str]:
+    """What keeps a prefix-caching server from honouring ``cache_salt``, found by asking it: one prompt a block and
+    a token long, sent three times, and the cached tokens of each (``usage.prompt_tokens_details``). The second
+    (same salt) shows the cache works; the third (another salt) must find none of it, or a block cached under one
+    weight version could serve another's request. Random ids (the system's randomness, not the run's RNG): no two
+    ranks' probes share a block. Empty when nothing is wrong, or when no prompt fits a whole block (none is cached)."""
+    import random
+
+    import requests
+
+    if max_model_len < block_size + 2:
+        return []
+    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    prompt = [random.SystemRandom().randrange(8, 64) for _ in range(block_size + 1)]
+    salts = [f"probe-{secrets.token_hex(8)}" for _ in range(2)]
+
+    def cached_tokens(salt: str) -> int | None:
+        sampling = dict(max_tokens=1, detokenize=False)
+        body = dict(token_ids=prompt, model=model, cache_salt=salt, sampling_params=sampling)
+        reply = requests.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+        reply.raise_for_status()
+        details = (reply.json().get("usage") or {}).get("prompt_tokens_details") or {}
+        return details.get("cached_tokens")
+
+    cached_tokens(salts[0])  # fills the cache
+    again, other = cached_tokens(salts[0]), cached_tokens(salts[1])
+    if again is None:
+        return ["it caches prefixes without reporting a request's cached tokens (add --enable-prompt-tokens-details)"]
+    if other:
+        return [
+            f"its prefix cache ignores cache_salt ({other} of a {len(prompt)}-token prompt cached under another "
+            "salt were reused): KV computed with one weight version could serve the next (--no-enable-prefix-caching)"
+        ]
+    return []

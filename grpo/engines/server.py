@@ -36,7 +36,7 @@ import torch
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
 from merge.server_health import results_watching_health, start_in_daemon_threads
-from merge.server_settings import server_setting_problems
+from merge.server_settings import cache_salt_problems, server_setting_problems
 
 CONNECTION_ATTEMPTS = 3  # a request whose connection fails is sent again, this many times in all, 1 s apart
 RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
@@ -78,42 +78,6 @@ def connection_failure(error: Exception) -> str:
         if words in text:
             return f"ConnectionError: {words.lower()}"
     return f"ConnectionError: {' '.join(text.split())[-120:]}"
-
-
-def cache_salt_problems(url: str, block_size: int, max_model_len: int) -> list[str]:
-    """What keeps a prefix-caching server from honouring ``cache_salt``, found by asking it: one prompt a block and
-    a token long, sent three times, and the cached tokens of each (``usage.prompt_tokens_details``). The second
-    (same salt) shows the cache works; the third (another salt) must find none of it, or a block cached under one
-    weight version could serve another's request. Random ids (the system's randomness, not the run's RNG): no two
-    ranks' probes share a block. Empty when nothing is wrong, or when no prompt fits a whole block (none is cached)."""
-    import random
-
-    import requests
-
-    if max_model_len < block_size + 2:
-        return []
-    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    prompt = [random.SystemRandom().randrange(8, 64) for _ in range(block_size + 1)]
-    salts = [f"probe-{secrets.token_hex(8)}" for _ in range(2)]
-
-    def cached_tokens(salt: str) -> int | None:
-        sampling = dict(max_tokens=1, detokenize=False)
-        body = dict(token_ids=prompt, model=model, cache_salt=salt, sampling_params=sampling)
-        reply = requests.post(f"{url}/inference/v1/generate", json=body, timeout=120)
-        reply.raise_for_status()
-        details = (reply.json().get("usage") or {}).get("prompt_tokens_details") or {}
-        return details.get("cached_tokens")
-
-    cached_tokens(salts[0])  # fills the cache
-    again, other = cached_tokens(salts[0]), cached_tokens(salts[1])
-    if again is None:
-        return ["it caches prefixes without reporting a request's cached tokens (add --enable-prompt-tokens-details)"]
-    if other:
-        return [
-            f"its prefix cache ignores cache_salt ({other} of a {len(prompt)}-token prompt cached under another "
-            "salt were reused): KV computed with one weight version could serve the next (--no-enable-prefix-caching)"
-        ]
-    return []
 
 
 def _sampling_json(sampling, seed: int) -> dict:
