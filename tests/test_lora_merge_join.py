@@ -626,6 +626,31 @@ def test_a_finish_that_fails_on_one_worker_leaves_every_worker_on_the_labelled_v
     assert server.version == "3" and all(torch.allclose(w, third) for w in served(server).values())
 
 
+def test_sync_bytes_are_counted_as_the_broadcasts_send_them(trainer_of, monkeypatch):
+    from merge.lora_merge import WeightTransferError
+    from merge.lora_merge import trainer as lora_merge_trainer
+
+    sent, send = [], lora_merge_trainer.broadcast
+
+    def counting(group, tensor, root=0):
+        sent.append(tensor.numel() * tensor.element_size())
+        return send(group, tensor, root)
+
+    monkeypatch.setattr(lora_merge_trainer, "broadcast", counting)
+    trainer = trainer_of(InProcessServer(monkeypatch))
+    update, _ = lora(1)
+    trainer.send_weights(update, weight_version="1")
+    first = sum(sent)
+    assert first and trainer.last_sync["sync_bytes"] == first == update.nbytes
+    refused, _ = lora(2, target="model.layers.0.mlp.up_proj.weight")
+    refused.shapes = {"w": SHAPE}  # past the trainer's own check: the workers refuse it
+    with pytest.raises(WeightTransferError, match="up_proj"):
+        trainer.send_weights(refused, weight_version="2")
+    assert trainer.last_sync["sync_bytes"] == first  # a failed update is no sync: the figure stays the last one's
+    trainer.send_weights(lora(3)[0], weight_version="3")
+    assert trainer.last_sync["sync_bytes"] == sent[-1] == first  # the next one's, counted alike
+
+
 def test_a_server_with_expert_load_balancing_is_refused_at_connect_naming_the_flag(trainer_of, monkeypatch):
     """``--enable-eplb`` (and its redundant experts) moves experts between workers at runtime; each worker's shard of
     the base is fixed at connect. Control: the same server without it connects."""

@@ -286,14 +286,14 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         sizes = {dtype: b.numel() for dtype, b in buffers.items()}
         info = LoraMergeUpdateInfo(entries=entries, buffers=sizes, round=self.rounds)
         try:
-            reply = self._update(info, buffers, weight_version)
+            reply, sent = self._update(info, buffers, weight_version)
         except BaseException:
             # the group may hold a collective of this update still in flight (a broadcast that a worker refused or
             # failed before joining), which the next update's would meet instead of its own: give it up, and let
             # the next sync connect anew (the workers discard what this one left) rather than wait in it
             self.shutdown()
             raise
-        self.last_sync = {"sync_bytes": float(update.nbytes), "sync_seconds": time.perf_counter() - start}
+        self.last_sync = {"sync_bytes": float(sent), "sync_seconds": time.perf_counter() - start}
         if "dot" not in reply:  # precision_stats=False
             return {}
         stats = MergePrecisionStats()
@@ -301,20 +301,22 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         stats.entries, stats.tensors = reply["entries"], reply["tensors"]
         return stats.metrics()
 
-    def _update(self, info: LoraMergeUpdateInfo, buffers: dict[str, torch.Tensor], weight_version) -> dict:
+    def _update(self, info: LoraMergeUpdateInfo, buffers: dict[str, torch.Tensor], weight_version) -> tuple[dict, int]:
         """One update on the group: ``/start_weight_update``, the buffers broadcast while ``/update_weights`` makes
         the workers receive them, then ``/finish_weight_update``; the waits watch this update's store. Returns the
-        workers' reply to finish."""
+        workers' reply to finish and the bytes the broadcasts sent."""
         transport, store = self.init_info.transport, round_store(self.store, info.round)
         device = wire_device(transport)
         self._start()
-        pool = ThreadPoolExecutor(max_workers=1)
+        pool, sent = ThreadPoolExecutor(max_workers=1), 0
         try:
             call = pool.submit(self.client.update_weights, asdict(info))
             for buffer in buffers.values():
-                work = broadcast(self.group, buffer.to(device))
+                on_wire = buffer.to(device)
+                work = broadcast(self.group, on_wire)
                 watch = {"pending_call": call, "store": store}
                 wait(work, f"{BACKEND} update", transport=transport, group=self.group, **watch)
+                sent += on_wire.numel() * on_wire.element_size()
             call_result(call, f"{BACKEND} update", store)
             call = pool.submit(self.client.finish_weight_update, weight_version)
             world_size, what = 1 + self.init_info.num_workers, f"{BACKEND} finish"
@@ -322,7 +324,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             call_result(call, what, store)
         finally:
             pool.shutdown(wait=False)
-        return reply
+        return reply, sent
 
     def shutdown(self) -> None:
         close_group(self.group, self.init_info.transport)
