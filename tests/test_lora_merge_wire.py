@@ -18,6 +18,7 @@ import time
 from concurrent.futures import Future
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 from bench_common import free_port
@@ -116,7 +117,15 @@ def test_the_workers_reach_the_trainer_at_its_address_on_the_route_to_the_server
 
     assert local_address_towards("127.0.0.1") == "127.0.0.1"
     assert local_address_towards("localhost") == "127.0.0.1"
-    own = socket.gethostbyname(socket.gethostname())  # a server on another node: the interface towards it
-    if own.startswith("127."):  # a host name mapped to the loopback (Debian's 127.0.1.1): the default route's address
-        own = local_address_towards("192.0.2.1")  # TEST-NET-1: only the route is looked up, nothing is sent
-    assert local_address_towards(own) == own
+    # a server on another node: the interface towards it, each of this machine's own addresses found without the
+    # function under test (psutil), so that an answer of the loopback, or of one fixed interface, fails
+    own = [
+        address.address
+        for addresses in psutil.net_if_addrs().values()
+        for address in addresses
+        if address.family == socket.AF_INET and not address.address.startswith("127.")
+    ]
+    if not own:
+        pytest.skip("this machine has no network interface but the loopback")
+    assert all(local_address_towards(address) == address for address in own), own
+    assert local_address_towards("192.0.2.1") in own  # TEST-NET-1: the default route's interface (nothing is sent)
