@@ -186,11 +186,14 @@ def test_abort_in_flight_drops_this_engines_requests_on_the_server(server):
     _, url, model_dir = server
     engine = ServerEngine(url, model_dir)
     engine.version = "0"
-    # 64 requests, 4 at a time: about 16 s of generation left to do when the abort comes
-    pending = engine.send([[1, 2, 3]] * 64, SamplingParams(n=1, max_tokens=200, logprobs=0))
+    # 64 requests of 200 tokens each (no end of sequence stops them), 4 at a time: long enough that they would still be
+    # running after the 8 s the test gives the abort below (the control)
+    pending = engine.send([[1, 2, 3]] * 64, SamplingParams(n=1, max_tokens=200, logprobs=0, ignore_eos=True))
     deadline = time.time() + 60
     while running_requests(url, "vllm:num_requests_waiting") < 1 and time.time() < deadline:
         time.sleep(0.05)
+    time.sleep(8)
+    assert not all(future.done() for future in pending.futures)  # the control: left alone, they go on
     assert running_requests(url) >= 1 and engine.in_flight  # 4 at a time: the rest wait in the server's queue
     engine.abort_in_flight()
     deadline = time.time() + 8  # answered because aborted: generating them would take twice that or more

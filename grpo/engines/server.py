@@ -90,6 +90,7 @@ def _sampling_json(sampling, seed: int) -> dict:
         max_tokens=sampling.max_tokens,
         logprobs=0 if sampling.logprobs is not None else None,
         seed=seed,
+        ignore_eos=sampling.ignore_eos,
         detokenize=False,
     )
 
