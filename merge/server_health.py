@@ -74,3 +74,12 @@ def results_watching_health(
         elif time.monotonic() - unhealthy_since >= server_timeout:
             raise gone(problem, time.monotonic() - unhealthy_since)
     return [future.result() for future in futures]
+
+
+def connection_failure(error: Exception) -> str:
+    """A requests ConnectionError in a few words: what the connection met."""
+    text = str(error)
+    for words in ("Connection refused", "Connection reset by peer", "Remote end closed connection"):
+        if words in text:
+            return f"ConnectionError: {words.lower()}"
+    return f"ConnectionError: {' '.join(text.split())[-120:]}"

@@ -40,6 +40,7 @@ def main(out: Path) -> None:
     engine = object.__new__(ServerEngine)  # the sync's client side only: no server behind it
     engine.merge, engine.rank, engine.url, engine.version = True, rank, "http://127.0.0.1:1", None
     engine.transfer = Transfer(rank)
+    engine._answers = lambda: True  # the server is up and answers: the failure is rank 0's own, not the server gone
     assert engine.sync_policy(None, None, version=1, rank=rank) == {"sync_delta_kept": 1.0, "sync_bytes": 8.0}
 
     engine.transfer.fail = True

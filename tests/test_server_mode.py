@@ -692,6 +692,27 @@ def test_server_dying_mid_run_stops_naming_the_url_and_how_to_resume(tokenizer_d
     assert fake.url in str(caught.value)
 
 
+def test_a_wire_error_in_a_sync_reads_as_the_server_gone_when_it_no_longer_answers(tokenizer_dir):
+    """Killed mid-sync, the server leaves the trainer gloo's own error ("Connection closed by peer"), not the
+    backend's: it stops the run in the one line of a server gone when /health no longer answers, and is raised as
+    it is while the server answers (the control)."""
+    from grpo.engines.server import ServerEngine, ServerError
+
+    class ClosedPeer:
+        def send_weights(self, model, weight_version=None):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:32927")
+
+    fake = FakeServer(backend=True)
+    engine = ServerEngine(fake.url, tokenizer_dir)
+    engine.transfer = ClosedPeer()
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as caught:
+        engine.sync_policy(None, None, version=2, rank=0)
+    assert not isinstance(caught.value, ServerError)
+    fake.stop()
+    with pytest.raises(ServerError, match="stopped answering during a weight sync; .*resume_from_checkpoint=last"):
+        engine.sync_policy(None, None, version=2, rank=0)
+
+
 def test_a_connection_dropped_once_is_sent_again_with_the_same_seed(tokenizer_dir, monkeypatch):
     """A pooled connection the front end closed just as a request reused it (uvicorn's 5 s keep-alive) fails once:
     the request goes again, seed and all, and the rollout carries on."""

@@ -35,7 +35,7 @@ import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
-from merge.server_health import results_watching_health, start_in_daemon_threads
+from merge.server_health import connection_failure, results_watching_health, start_in_daemon_threads
 from merge.server_settings import cache_salt_problems, server_setting_problems
 
 CONNECTION_ATTEMPTS = 3  # a request whose connection fails is sent again, this many times in all, 1 s apart
@@ -69,15 +69,6 @@ def serve_command(url: str, model: str, merge: bool = True) -> str:
         "--max-num-batched-tokens 16384 "
         f"{lora}".strip()
     )
-
-
-def connection_failure(error: Exception) -> str:
-    """A requests ConnectionError in a few words: what the connection met."""
-    text = str(error)
-    for words in ("Connection refused", "Connection reset by peer", "Remote end closed connection"):
-        if words in text:
-            return f"ConnectionError: {words.lower()}"
-    return f"ConnectionError: {' '.join(text.split())[-120:]}"
 
 
 def _sampling_json(sampling, seed: int) -> dict:
@@ -364,12 +355,14 @@ class ServerEngine:
             return {}
         try:  # the server pauses only while it merges (`HTTPPausingWeightSyncClient`)
             stats = self.transfer.send_weights(model, weight_version=str(version))
-        except WeightTransferError as error:
-            if not self._answers():  # its call failed because it went away, not because it refused
-                raise self._gone("stopped answering during a weight sync") from None
-            raise ServerError(f"weight sync to {self.url} refused: {error}") from None
         except requests.RequestException as error:  # the server went away during the sync's HTTP calls
             raise self._gone(f"stopped answering during a weight sync ({type(error).__name__})") from None
+        except RuntimeError as error:  # a WeightTransferError, or the wire's own (gloo: "Connection closed by peer")
+            if not self._answers():  # it failed because the server went away, not because the server refused
+                raise self._gone("stopped answering during a weight sync") from None
+            if isinstance(error, WeightTransferError):
+                raise ServerError(f"weight sync to {self.url} refused: {error}") from None
+            raise
         return {**{k: v for k, v in stats.items() if v == v}, "sync_bytes": self.transfer.last_sync["sync_bytes"]}
 
     def _data_parallel_size(self) -> int:
