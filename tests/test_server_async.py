@@ -186,9 +186,9 @@ def test_abort_in_flight_drops_this_engines_requests_on_the_server(server):
     _, url, model_dir = server
     engine = ServerEngine(url, model_dir)
     engine.version = "0"
-    # 64 requests of 200 tokens each (no end of sequence stops them), 4 at a time: long enough that they would still be
-    # running after the 8 s the test gives the abort below (the control)
-    pending = engine.send([[1, 2, 3]] * 64, SamplingParams(n=1, max_tokens=200, logprobs=0, ignore_eos=True))
+    # 128 requests of 250 tokens each (no end of sequence stops them), 4 at a time: 8,000 decode steps, far more than
+    # the 8 s the control waits could hold on any CPU (the server's max_model_len is 256)
+    pending = engine.send([[1, 2, 3]] * 128, SamplingParams(n=1, max_tokens=250, logprobs=0, ignore_eos=True))
     deadline = time.time() + 60
     while running_requests(url, "vllm:num_requests_waiting") < 1 and time.time() < deadline:
         time.sleep(0.05)

@@ -415,6 +415,8 @@ class ServerEngine:
         salt = self.cache_salt()
 
         def one(ids, params, seed, request_id):
+            if request_id not in self.in_flight:  # aborted while it waited for a thread: never sent
+                raise EngineStateError(f"request {request_id} was aborted before it was sent")
             sent = time.time()
             try:
                 response = self._post(
@@ -475,9 +477,11 @@ class ServerEngine:
         return samples
 
     def abort_in_flight(self) -> None:
-        """Ask the server to drop this process's unanswered requests (vLLM names them ``generate-tokens-<id>``);
-        their connections closing at exit would abort them as well (the route is ``with_cancellation``)."""
+        """Ask the server to drop this process's unanswered requests (vLLM names them ``generate-tokens-<id>``;
+        their connections closing at exit would abort them as well: the route is ``with_cancellation``); those not
+        sent yet are never sent."""
         pending = sorted(self.in_flight)
+        self.in_flight.clear()
         if pending:
             with contextlib.suppress(Exception):
                 self.http.post(
