@@ -53,8 +53,7 @@ def cache_salt_problems(url: str, block_size: int, max_model_len: int) -> list[s
         body = dict(token_ids=prompt, model=model, cache_salt=salt, sampling_params=sampling)
         reply = requests.post(f"{url}/inference/v1/generate", json=body, timeout=120)
         reply.raise_for_status()
-        details = (reply.json().get("usage") or {}).get("prompt_tokens_details") or {}
-        return details.get("cached_tokens")
+        return cached_prompt_tokens(reply.json())
 
     cached_tokens(salts[0])  # fills the cache
     again, other = cached_tokens(salts[0]), cached_tokens(salts[1])
@@ -66,3 +65,9 @@ def cache_salt_problems(url: str, block_size: int, max_model_len: int) -> list[s
             "salt were reused): KV computed with one weight version could serve the next (--no-enable-prefix-caching)"
         ]
     return []
+
+
+def cached_prompt_tokens(reply: dict) -> int | None:
+    """The prompt tokens a ``/inference/v1/generate`` reply says the prefix cache served (``usage.prompt_tokens_
+    details``: reported by a server started with ``--enable-prompt-tokens-details``), or None when it says nothing."""
+    return ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")

@@ -36,7 +36,7 @@ import torch
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
 from merge.server_health import connection_failure, results_watching_health, start_in_daemon_threads
-from merge.server_settings import cache_salt_problems, server_setting_problems
+from merge.server_settings import cache_salt_problems, cached_prompt_tokens, server_setting_problems
 
 CONNECTION_ATTEMPTS = 3  # a request whose connection fails is sent again, this many times in all, 1 s apart
 RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
@@ -445,8 +445,7 @@ class ServerEngine:
         replies = self._results_watching_health(pending.futures, "generating")
         expected = {str(v) for v in range(pending.sent_version, int(self.version) + 1)}
         pending.times = [(sent, answered) for _, sent, answered in replies]
-        usage = [(response.get("usage") or {}).get("prompt_tokens_details") or {} for response, _, _ in replies]
-        pending.cached_tokens = [details.get("cached_tokens") or 0 for details in usage]
+        pending.cached_tokens = [cached_prompt_tokens(response) or 0 for response, _, _ in replies]
         samples = []
         for index, (ids, (response, _, _)) in enumerate(zip(pending.prompt_ids, replies)):
             for choice in sorted(response["choices"], key=lambda c: c["index"]):
