@@ -32,6 +32,10 @@ from torchrun import WORKER_ENV, torchrun, vllm_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
+# |served - merge_and_unload()| over sampled tokens, fp32. Sampling at temperature 1 picks rare tokens whose large
+# logits carry the absolute error of vLLM's GEMMs against torch's: 3e-7..9.5e-7 mean and 1e-6..5e-5 at the worst
+# token from one server launch to the next (AVX2 and CI machines). Leaving one layer unmerged errs by 3e-2 mean.
+SERVED_MEAN, SERVED_LARGEST = 2e-6, 1e-4
 
 
 @contextlib.contextmanager
@@ -108,7 +112,7 @@ def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
     first, second = policy(model_dir, seed=1), policy(model_dir, seed=2)
     metrics = engine.sync_policy(first, None, version=1, rank=0)
     mean, largest, samples = served_vs_merged(engine, first)
-    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert mean <= SERVED_MEAN and largest <= SERVED_LARGEST, (mean, largest)
     assert sum(len(s.completion_ids) for s in samples) > 10
     base_bytes = sum(p.numel() * 4 for n, p in first.named_parameters() if "lora_" not in n)
     assert 0 < metrics["sync_bytes"] < 0.2 * base_bytes  # the factors, not the model
@@ -119,7 +123,7 @@ def test_push_serves_merge_and_unload_and_a_second_push_leaves_no_trace(server):
     metrics = engine.sync_policy(second, None, version=2, rank=0)
     assert metrics["sync_delta_kept"] == pytest.approx(1.0, abs=1e-6)
     mean, largest, _ = served_vs_merged(engine, second)
-    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert mean <= SERVED_MEAN and largest <= SERVED_LARGEST, (mean, largest)
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
     engine.close()
 
@@ -180,7 +184,7 @@ def test_adapter_mode_serves_the_peft_model_and_each_load_replaces_the_last(lora
     adapter_dir = tmp_path / "adapter"
     engine.sync_policy(first, adapter_dir, version=1, rank=0)
     mean, largest, samples = served_vs(engine, first)  # generate checks every completion's weight version
-    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert mean <= SERVED_MEAN and largest <= SERVED_LARGEST, (mean, largest)
     assert sum(len(s.completion_ids) for s in samples) > 10
     served = torch.tensor([logprob for s in samples for logprob in s.logprobs])
     with first.disable_adapter():  # the agreement is not trivial: the adapter moves the log-probs far more
@@ -188,7 +192,7 @@ def test_adapter_mode_serves_the_peft_model_and_each_load_replaces_the_last(lora
 
     engine.sync_policy(second, adapter_dir, version=2, rank=0)  # the same folder, rewritten
     mean, largest, _ = served_vs(engine, second)
-    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert mean <= SERVED_MEAN and largest <= SERVED_LARGEST, (mean, largest)
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "2"
     adapters = [m["id"] for m in requests.get(f"{url}/v1/models").json()["data"] if m["parent"]]
     assert adapters == ["policy-2"]  # the first adapter was unloaded
@@ -242,7 +246,7 @@ def test_trainer_killed_between_start_and_finish_leaves_the_previous_version(ser
     engine = ServerEngine(url, model_dir)
     engine.version = "10"  # what the server must still serve
     mean, largest, _ = served_vs_merged(engine, complete)
-    assert mean <= 1e-6 and largest <= 1e-5, (mean, largest)
+    assert mean <= SERVED_MEAN and largest <= SERVED_LARGEST, (mean, largest)
     # a new trainer takes over: the leftovers of the killed one are discarded, its own push lands
     engine.sync_policy(policy(model_dir, seed=5), None, version=11, rank=0)
     assert requests.get(f"{url}/weight_info").json()["weight_version"] == "11"
@@ -315,7 +319,7 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     # trained weights, against transformers' own forward of merge_and_unload() (one sequence at a time, not the
     # recipe's packed forward): 1.12e-6 mean on an AVX2 machine; single tokens of the recipe's own fp32 runs are up
     # to 3.8e-5 off (rollout_logprob_diff_max). The recipe's fp32 figure (<= 1e-6) is asserted on its metrics below.
-    assert mean <= 2e-6 and largest <= 1e-4, (mean, largest)
+    assert mean <= SERVED_MEAN and largest <= SERVED_LARGEST, (mean, largest)
 
     resumed, metrics = launch(out, model_dir, *overrides, "resume_from_checkpoint=last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
