@@ -51,6 +51,7 @@ def test_one_rollout_step_at_real_layer_size(tmp_path, slice_model):
         "data.prompt_template=Q: {question} A:",
         "data.max_prompt_length=64",
         "vllm.enable_sleep_mode=false",
+        "vllm.enforce_eager=true",  # vLLM's torch.compile warm-up (40 s on CPU) is not what this checks
         "vllm.kv_cache_gb=0.1",
         "per_device_train_batch_size=4",
         "steps_per_generation=1",

@@ -34,9 +34,9 @@ def checkpoint_step(checkpoint) -> int:
 
 
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model):
-    reference, metrics = launch(tmp_path / "uninterrupted", tiny_model, "max_steps=12")
+    reference, metrics = launch(tmp_path / "uninterrupted", tiny_model, "max_steps=8")
     assert reference.returncode == 0, reference.stderr[-5000:]
-    assert [m["rollout_step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["rollout_step"] for m in metrics] == [1, 2, 3, 4]
 
     # Interrupt a longer run as a terminal or a cluster scheduler would: SIGTERM to every process of the job.
     out, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
@@ -59,24 +59,17 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, t
     checkpoints = sorted((out / "run").glob("checkpoint-*"))
     assert len(checkpoints) == 1 and not list((out / "run").glob("*.tmp")), checkpoints
     stopped_at = checkpoint_step(checkpoints[0])
-    assert 1 <= stopped_at < 6, stopped_at
+    assert 1 <= stopped_at < 4, stopped_at
     assert f"resume_from_checkpoint={checkpoints[0]}" in stderr
     assert not (out / "run" / "adapter").exists()  # the final adapter is written only by a finished run
     saved = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(checkpoints[0]))
     assert any("lora_B" in n for n, _ in saved.named_parameters())  # peft loads the checkpoint's adapter
 
     # Resume in place (short alias, newest checkpoint): the steps after the checkpoint equal the uninterrupted run's.
-    resumed, metrics_after = launch(out, tiny_model, "max_steps=12", "resume_from=last")
+    resumed, metrics_after = launch(out, tiny_model, "max_steps=8", "resume_from=last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert f"continuing at rollout step {stopped_at + 1} of 6" in resumed.stderr
-    assert [m["rollout_step"] for m in metrics_after] == [
-        1,
-        2,
-        3,
-        4,
-        5,
-        6,
-    ]  # earlier lines kept, later ones redone once
+    assert f"continuing at rollout step {stopped_at + 1} of 4" in resumed.stderr
+    assert [m["rollout_step"] for m in metrics_after] == [1, 2, 3, 4]  # earlier lines kept, later ones redone once
     for got, want in zip(metrics_after, metrics):
         assert {k: got[k] for k in DETERMINISTIC} == pytest.approx({k: want[k] for k in DETERMINISTIC}, rel=1e-9)
     # what made the run: its first part, and the resumed part under "resumes"
