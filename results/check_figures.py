@@ -1,0 +1,177 @@
+"""Checks that every published figure still matches the committed file it comes from; no training, about a minute.
+
+1. Redraws every plot that results/reproduce.sh draws from committed files (its `recipes/plot_*.py` and
+   `bench/plot_*.py` lines) into a temporary folder, and compares each plot's summary table (the `.json` beside the
+   `.png`) with the committed one: a table that differs means the plot was not redrawn after its runs were remade.
+2. Finds every tagged figure in README.md, docs/*.md and results/README.md and recomputes it. A tag is an HTML
+   comment (invisible once rendered) right after the number it checks: `4.58<!--fig ...--> s`. The number is
+   compared at the precision it is written with (4.58: within 0.005; 4.5e-7: within 0.05e-7; 3,497: within 0.5).
+   What follows `fig` says where the figure comes from:
+
+   - `table PLOT RUN KEY`: the plot's summary table, as just redrawn (PLOT: `grpo_variants`, the table in
+     results/grpo_variants.json), the row of RUN (its folder under results/), the value under KEY;
+   - `json FILE PATH`: a committed JSON file under results/ (a benchmark's), PATH dotted (`a.b.0.c`);
+   - `run RUN KEY STAT`: RUN's metrics.jsonl, KEY over its rollout steps; STAT is one of `median` (the first step
+     left out, it includes warm-ups), `min`, `max`, `min_after_first`, `max_after_first`, `first`, `last`,
+     `maxdev1` (max |value - 1|);
+
+   and an optional last word `x100` (a percentage) or `x1000` scales the value. Two queries joined by ` / ` or
+   ` - ` give a ratio or a difference (`table grpo_metrics tiny-cpu-merge median_step_s / table ...`).
+
+Usage: `python results/check_figures.py` (exit 1 with one line per stale figure or plot), or
+`python results/check_figures.py FILE.md ...` for the figures of those files only (the plots are redrawn either
+way: they are the tables' source). `bash results/reproduce.sh --check` runs it; so does tests/test_figures.py.
+"""
+
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+TAG = re.compile(r"((?:(?:^|(?<=[\s(|]))-)?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?)<!--fig ([^>]*?)-->")  # 0.21-0.33: no sign
+PLOT_LINE = re.compile(r"\.venv/bin/python (?:recipes|bench)/plot_\w+\.py .*--out results/(\S+)\.png")
+
+
+def published_files() -> list[Path]:
+    return [ROOT / "README.md", RESULTS / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def plot_commands() -> list[tuple[str, str]]:
+    """(plot name, command) for every plot results/reproduce.sh draws from committed files."""
+    text = (RESULTS / "reproduce.sh").read_text().replace("\\\n", " ")
+    return [(m.group(1), " ".join(line.split())) for line in text.splitlines() if (m := PLOT_LINE.search(line))]
+
+
+def redraw(into: Path) -> list[str]:
+    """Redraws every plot into ``into``; the problems: a plot that fails, or a summary table that differs."""
+    problems = []
+    for name, command in plot_commands():
+        command = command.replace(".venv/bin/python", sys.executable).replace("--out results/", f"--out {into}/")
+        done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            problems.append(f"results/{name}.png: its command fails: {done.stderr.strip().splitlines()[-1:]}")
+            continue
+        fresh, committed = into / f"{name}.json", RESULTS / f"{name}.json"
+        if fresh.exists():
+            if not committed.exists():
+                problems.append(f"results/{name}.json is missing: redraw it with its line in results/reproduce.sh")
+            elif difference := first_difference(json.loads(committed.read_text()), json.loads(fresh.read_text())):
+                problems.append(f"results/{name}.png/.json are stale ({difference}): rerun its line in reproduce.sh")
+    return problems
+
+
+def first_difference(committed, fresh, where: str = "") -> str | None:
+    """Where two JSON values first differ (floats within 1e-9 relative), or None."""
+    if isinstance(committed, dict) and isinstance(fresh, dict):
+        if committed.keys() != fresh.keys():
+            return f"{where or 'top level'}: keys {sorted(committed.keys() ^ fresh.keys())}"
+        return next((d for k in committed if (d := first_difference(committed[k], fresh[k], f"{where}.{k}"))), None)
+    if isinstance(committed, list) and isinstance(fresh, list):
+        if len(committed) != len(fresh):
+            return f"{where}: {len(committed)} entries committed, {len(fresh)} now"
+        return next(
+            (d for i, (a, b) in enumerate(zip(committed, fresh)) if (d := first_difference(a, b, f"{where}.{i}"))), None
+        )
+    if isinstance(committed, float) and isinstance(fresh, (int, float)):
+        return (
+            None
+            if math.isclose(committed, fresh, rel_tol=1e-9, abs_tol=1e-15)
+            else f"{where}: {committed} committed, {fresh} now"
+        )
+    return None if committed == fresh else f"{where}: {committed!r} committed, {fresh!r} now"
+
+
+def rollout_values(run: str, key: str) -> list[float]:
+    lines = [json.loads(line) for line in (RESULTS / run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [line[key] for line in lines if "rollout_step" in line and key in line]
+
+
+STATS = {
+    "median": lambda values: statistics.median(values[1:]),
+    "min": min,
+    "max": max,
+    "min_after_first": lambda values: min(values[1:]),
+    "max_after_first": lambda values: max(values[1:]),
+    "first": lambda values: values[0],
+    "last": lambda values: values[-1],
+    "maxdev1": lambda values: max(abs(v - 1) for v in values),
+}
+
+
+def figure(query: str, tables: Path) -> float:
+    """The value a tag's query names (see the module's docstring): one query, or two joined by ` / ` or ` - `."""
+    for operator, combine in ((" / ", lambda a, b: a / b), (" - ", lambda a, b: a - b)):
+        if operator in query:
+            left, right = query.split(operator, 1)
+            return combine(figure(left, tables), figure(right, tables))
+    words = query.split()
+    scale = 1.0
+    if words[-1] in ("x100", "x1000"):
+        scale, words = float(words[-1][1:]), words[:-1]
+    kind, *args = words
+    if kind == "table" and len(args) == 3:
+        plot, run, key = args
+        rows = {row["run"]: row for row in json.loads((tables / f"{plot}.json").read_text())}
+        value = rows[f"results/{run}"][key]
+    elif kind == "json" and len(args) == 2:
+        value = json.loads((RESULTS / args[0]).read_text())
+        for part in args[1].split("."):
+            value = value[int(part)] if isinstance(value, list) else value[part]
+    elif kind == "run" and len(args) == 3 and args[2] in STATS:
+        value = STATS[args[2]](rollout_values(args[0], args[1]))
+    else:
+        raise ValueError(f"not a figure query: {query!r}")
+    return float(value) * scale
+
+
+def matches(written: str, value: float) -> bool:
+    """Whether ``written`` is ``value`` at the precision it is written with (half a unit of its last digit)."""
+    number = written.replace(",", "")
+    mantissa, _, exponent = number.partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    unit = 10.0 ** (-decimals + (int(exponent) if exponent else 0))
+    return abs(float(number) - value) <= 0.5 * unit * (1 + 1e-9)
+
+
+def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
+    """(the problems, the number of figures checked) of the tagged figures in ``files``."""
+    problems, checked = [], 0
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for tag in TAG.finditer(line):
+                written, query = tag.groups()
+                place = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}"
+                try:
+                    value = figure(query, tables)
+                except (KeyError, IndexError, ValueError, FileNotFoundError) as error:
+                    problems.append(f"{place}: {written} ({query}): cannot be computed: {error!r}")
+                    continue
+                checked += 1
+                if not matches(written, value):
+                    problems.append(f"{place}: {written} ({query}) is {value:.6g} in its source")
+            if "<!--fig" in line and len(TAG.findall(line)) != line.count("<!--fig"):
+                problems.append(f"{path}:{number}: a figure tag without a number right before it")
+    return problems, checked
+
+
+def main(argv: list[str]) -> int:
+    files = [Path(a).resolve() for a in argv] or published_files()
+    with tempfile.TemporaryDirectory() as tables:
+        problems = redraw(Path(tables))
+        figure_problems, checked = check_figures(files, Path(tables))
+    problems += figure_problems
+    for problem in problems:
+        print(problem)
+    plots = len(plot_commands())
+    print(f"{plots} plots redrawn, {checked} tagged figures checked in {len(files)} files: {len(problems)} stale")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

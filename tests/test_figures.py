@@ -1,0 +1,57 @@
+"""results/check_figures.py: every tagged figure of README.md, docs/ and results/README.md equals its source, every
+plot's table equals a redraw from the committed runs; and the check fails on an edited number or a stale table."""
+
+import json
+import shutil
+
+import pytest
+
+from results.check_figures import RESULTS, ROOT, check_figures, first_difference, main, matches
+
+
+def test_every_published_figure_and_plot_matches_the_committed_files(capsys):
+    assert main([]) == 0, capsys.readouterr().out
+    summary = capsys.readouterr().out.splitlines()[-1]
+    checked = int(summary.split(" tagged figures")[0].split()[-1])
+    assert checked >= 100, summary  # the figures are tagged, not silently skipped
+
+
+def test_an_edited_number_is_named_with_its_place_and_its_source_value(tmp_path):
+    edited = tmp_path / "server.md"
+    text = (ROOT / "docs" / "server.md").read_text()
+    assert "0.52<!--fig run tiny-cpu-server sync_s first-->" in text
+    edited.write_text(text.replace("0.52<!--fig run", "0.62<!--fig run"))
+    shutil.copy(ROOT / "docs" / "server.md", tmp_path / "control.md")
+    problems, checked = check_figures([edited, tmp_path / "control.md"], tables=RESULTS)  # committed tables
+    assert checked > 2 * 5
+    assert (
+        len(problems) == 1 and "server.md:" in problems[0] and "0.62 (run tiny-cpu-server sync_s first)" in problems[0]
+    )
+    assert "is 0.5" in problems[0], problems  # the value its source gives
+
+
+def test_a_table_that_no_longer_matches_its_runs_is_found():
+    committed = json.loads((RESULTS / "grpo_async.json").read_text())
+    assert first_difference(committed, json.loads(json.dumps(committed))) is None
+    stale = json.loads(json.dumps(committed))
+    stale[0]["median_step_s"] *= 1.01
+    assert first_difference(committed, stale) == f".0.median_step_s: {committed[0]['median_step_s']} committed, " + (
+        f"{stale[0]['median_step_s']} now"
+    )
+
+
+@pytest.mark.parametrize(
+    "written, value, expected",
+    [
+        ("4.58", 4.579, True),
+        ("4.58", 4.5749, False),
+        ("4.5e-7", 4.54e-7, True),
+        ("4.5e-7", 4.56e-7, False),
+        ("189,601", 189601.4, True),
+        ("3497", 3497.6, False),
+        ("0", 0.0, True),
+        ("0.000", 0.0006, False),
+    ],
+)
+def test_a_number_is_compared_at_the_precision_it_is_written_with(written, value, expected):
+    assert matches(written, value) is expected
