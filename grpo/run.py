@@ -142,18 +142,6 @@ def check_compute_dtype(cfg: RecipeConfig, fsdp: FSDPSettings) -> None:
         )
 
 
-def warn_if_stale_sequence_weights(cfg: RecipeConfig) -> None:
-    """Asynchronous rollouts learn worse with sequence-level importance weights (results/, docs/async.md)."""
-    if cfg.max_staleness > 0 and cfg.vllm_importance_sampling_mode.startswith("sequence_"):
-        log.warning(
-            "max_staleness=%d with vllm_importance_sampling_mode=%s: a completion's weight is the product of its "
-            "tokens' ratios, which staleness spreads widely; token_truncate (per token, AReaL's decoupled PPO) "
-            "learned closer to the synchronous run in results/ (docs/async.md)",
-            cfg.max_staleness,
-            cfg.vllm_importance_sampling_mode,
-        )
-
-
 def check_paths(cfg: RecipeConfig, rank: int) -> None:
     """Before any work: output_dir is a folder rank 0 can create and write into (folders made to find out are
     removed again; every rank refuses with rank 0's finding), and the embedded default is built only under cache/
@@ -358,7 +346,6 @@ def setup(cfg: RecipeConfig) -> Run:
         )
     check_shared_output_dir(run_dir, rank, world)
     log.info("run %s: %d process(es) on %s, merge=%s", run_dir, world, device.type, cfg.lora.merge)
-    warn_if_stale_sequence_weights(cfg)
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     reward_funcs = dict(zip(cfg.reward_funcs, load_reward_funcs(cfg.reward_funcs)))
