@@ -12,11 +12,12 @@ largest).
 
 Each repetition runs the three modes in turn (order rotated every repetition); each run is ``--rollout-steps``
 rollout steps of recipes/configs/tiny_cpu.yaml in server mode (no evaluation), and is measured from its own
-timeline.jsonl after ``--warmup`` steps: rollout steps per minute, each side's busy fraction (`grpo.metrics.
-busy_fractions`). The speedups are each repetition's async/sync ratio (the runs followed each other), their median
-and spread. From the synchronous runs' phase times (sync S, rollout G, update U, medians): a synchronous step takes
-S + G + U, an overlapped one at best max(G, S + U), so the bound is (S + G + U) / max(G, S + U); the JSON gives it
-beside the measured figure.
+timeline.jsonl after ``--warmup`` steps (steady state) and over the whole run: rollout steps per minute, the tokens
+and completions generated (each arm's work), each side's busy fraction (`grpo.metrics.busy_fractions`); the last
+repetition's timeline.jsonl, metrics.jsonl and config.yaml of each mode are kept with ``--timelines``. The speedups
+are each repetition's async/sync ratio (the runs followed each other), their median and spread. From the synchronous
+runs' phase times (sync S, rollout G, update U, medians): a synchronous step takes S + G + U, an overlapped one at
+best max(G, S + U), so the bound is (S + G + U) / max(G, S + U); the JSON gives it beside the measured figure.
 """
 
 from __future__ import annotations
@@ -74,12 +75,30 @@ def train(url: str, core: int, staleness: int, out: Path, overrides: list[str]) 
     return out / run_name
 
 
-def measure(run_dir: Path, warmup: int) -> dict:
+def measure(run_dir: Path, warmup: int, completions_per_step: int) -> dict:
+    """One run's figures: in steady state (after ``warmup`` rollout steps) and over the whole run, the rollout steps
+    per minute and the tokens and completions the server generated (each arm's work, to compare), each side's busy
+    fraction, the phase medians, and with max_staleness >= 1 the staleness and the fidelity check's worst step."""
     timeline = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "reward_mean" in m and m["rollout_step"] > warmup]
+    every = [m for m in metrics if "reward_mean" in m]
+    steps = [m for m in every if m["rollout_step"] > warmup]
     phases = {k: statistics.median(m[k] for m in steps) for k in ("sync_s", "rollout_s", "update_s", "step_s")}
-    result = {**busy_fractions(timeline[warmup:]), **{f"median_{k}": v for k, v in phases.items()}}
+    steady, whole = busy_fractions(timeline[warmup:], timeline), busy_fractions(timeline)
+    result = {
+        **steady,
+        **{f"median_{k}": v for k, v in phases.items()},
+        "rollout_tokens": sum(m["rollout_tokens"] for m in steps),
+        "completions": completions_per_step * len(steps),
+        "rollout_tokens_per_s": sum(m["rollout_tokens"] for m in steps) / steady["seconds"],
+        "whole_run": dict(
+            rollout_steps=len(every),
+            seconds=whole["seconds"],
+            rollout_steps_per_min=whole["rollout_steps_per_min"],
+            rollout_tokens=sum(m["rollout_tokens"] for m in every),
+            completions=completions_per_step * len(every),
+        ),
+    }
     if "staleness_mean" in steps[0]:
         result.update(
             staleness_mean=statistics.mean(m["staleness_mean"] for m in steps),
@@ -126,7 +145,8 @@ def run_repetitions(args: argparse.Namespace, overrides: list[str]) -> tuple[dic
                 for staleness in order:
                     started = time.time()
                     run_dir = train(url, args.trainer_core, staleness, Path(tmp) / f"rep{rep}", overrides)
-                    runs[staleness].append({**measure(run_dir, args.warmup), "wall_s": time.time() - started})
+                    figures = measure(run_dir, args.warmup, args.batch_size * args.steps_per_generation)
+                    runs[staleness].append({**figures, "wall_s": time.time() - started})
                     if args.timelines and rep == args.repetitions - 1:
                         keep_timeline(run_dir, args.timelines / run_dir.name)
                     print(f"repetition {rep + 1}, max_staleness={staleness}: {runs[staleness][-1]}", flush=True)
@@ -138,9 +158,10 @@ def run_repetitions(args: argparse.Namespace, overrides: list[str]) -> tuple[dic
 
 
 def keep_timeline(run_dir: Path, kept: Path) -> None:
-    """A run's timeline.jsonl and config.yaml, copied out of the temporary folder (recipes/plot_timeline.py)."""
+    """A run's timeline.jsonl, metrics.jsonl and config.yaml, copied out of the temporary folder (for
+    recipes/plot_timeline.py, and to check each arm's tokens)."""
     kept.mkdir(parents=True, exist_ok=True)
-    for name in ("timeline.jsonl", "config.yaml"):
+    for name in ("timeline.jsonl", "metrics.jsonl", "config.yaml"):
         shutil.copy(run_dir / name, kept / name)
 
 
@@ -176,6 +197,24 @@ def summary(args: argparse.Namespace, overrides: list[str], runs: dict[int, list
         ),
         speedup_async2_over_sync=spread(
             [a["rollout_steps_per_min"] / b["rollout_steps_per_min"] for a, b in zip(runs[2], sync)]
+        ),
+        rollout_tokens_per_s={
+            f"max_staleness={m}": spread([r["rollout_tokens_per_s"] for r in runs[m]]) for m in MODES
+        },
+        whole_run_rollout_steps_per_min={
+            f"max_staleness={m}": spread([r["whole_run"]["rollout_steps_per_min"] for r in runs[m]]) for m in MODES
+        },
+        whole_run_speedup_async1_over_sync=spread(
+            [
+                a["whole_run"]["rollout_steps_per_min"] / b["whole_run"]["rollout_steps_per_min"]
+                for a, b in zip(runs[1], sync)
+            ]
+        ),
+        whole_run_speedup_async2_over_sync=spread(
+            [
+                a["whole_run"]["rollout_steps_per_min"] / b["whole_run"]["rollout_steps_per_min"]
+                for a, b in zip(runs[2], sync)
+            ]
         ),
         sync_phase_medians_s=phases,
         speedup_bound_from_sync_phases=(s + g + u) / max(g, s + u),

@@ -237,15 +237,16 @@ class Timeline:
         self.spans = {}
 
 
-def busy_fractions(lines: list[dict]) -> dict:
+def busy_fractions(lines: list[dict], every: list[dict] | None = None) -> dict:
     """Over timeline lines (`Timeline`, consecutive rollout steps; from the first one's sync to the last one's update):
     the seconds, the rollout steps per minute, and the share of the time the trainer synced or updated and the share
-    the server had requests."""
+    the server had requests: the requests of ``every`` line (the whole timeline) that ran in that window, those sent
+    ahead for later rollout steps included."""
     from grpo.engines.rollout_queue import union_seconds
 
     start, end = lines[0]["trainer"]["sync"][0], lines[-1]["trainer"]["update"][1]
     trainer = sum(hi - lo for t in lines for name, (lo, hi) in t["trainer"].items() if name != "rollout")
-    server = union_seconds([tuple(i) for t in lines for i in t["server"]], start, end)
+    server = union_seconds([tuple(i) for t in (every or lines) for i in t["server"]], start, end)
     return dict(
         seconds=end - start,
         rollout_steps_per_min=60 * len(lines) / (end - start),

@@ -5,8 +5,10 @@
 A run writes <run_dir>/timeline.jsonl (vllm.mode=server), one line per rollout step, as rank 0 saw it: the trainer's
 sync, its wait for the rollout (``rollout``: the time it waited, which is all of the generation when synchronous) and
 its update (rewards, old log-probs, optimizer steps), and each of rank 0's requests from sent to answered. The server
-row is their union. With max_staleness >= 1 the server's bars run under the trainer's updates. The figure's rollout
-steps (--steps first last) and the busy fractions over them are printed, and written beside the PNG as JSON.
+row is their union: every request that ran between the first drawn step's sync and the last one's update, those sent
+ahead for later rollout steps included. With max_staleness >= 1 the server's bars run under the trainer's updates.
+The figure's rollout steps (--steps first last) and the busy fractions over them are printed, and written beside the
+PNG as JSON.
 """
 
 from __future__ import annotations
@@ -27,9 +29,8 @@ from grpo.metrics import busy_fractions  # noqa: E402
 COLORS = {"sync": "#d95f02", "rollout": "#bbbbbb", "update": "#1b9e77", "server": "#7570b3"}
 
 
-def read_timeline(run_dir: Path, first: int, last: int) -> list[dict]:
-    lines = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
-    return [line for line in lines if first <= line["rollout_step"] <= last]
+def read_timeline(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
 
 
 def merged(intervals: list[list[float]]) -> list[list[float]]:
@@ -59,19 +60,22 @@ def main(argv: list[str] | None = None) -> dict:
     fig, axes = plt.subplots(len(args.runs), 1, figsize=(7, 1.4 * len(args.runs) + 0.4), squeeze=False)
     summary = {}
     for ax, run_dir in zip(axes[:, 0], args.runs):
-        lines = read_timeline(run_dir, *args.steps)
+        every = read_timeline(run_dir)
+        lines = [line for line in every if args.steps[0] <= line["rollout_step"] <= args.steps[1]]
         if not lines:
             raise SystemExit(f"{run_dir}: no timeline lines for rollout steps {args.steps[0]}..{args.steps[1]}")
-        origin = lines[0]["trainer"]["sync"][0]
+        origin, end = lines[0]["trainer"]["sync"][0], lines[-1]["trainer"]["update"][1]
         for t in lines:
             for name, (lo, hi) in t["trainer"].items():
                 ax.barh(1, hi - lo, left=lo - origin, height=0.6, color=COLORS[name], edgecolor="none")
-        for lo, hi in merged([i for t in lines for i in t["server"]]):
+        for lo, hi in merged(
+            [[max(lo, origin), min(hi, end)] for t in every for lo, hi in t["server"] if hi > origin and lo < end]
+        ):
             ax.barh(0, hi - lo, left=lo - origin, height=0.6, color=COLORS["server"], edgecolor="none")
         ax.set_yticks([0, 1], ["server", "trainer"])
         ax.set_title(label(run_dir), loc="left")
         ax.grid(axis="y", visible=False)
-        summary[str(run_dir)] = busy_fractions(lines)
+        summary[str(run_dir)] = busy_fractions(lines, every)
     axes[-1, 0].set_xlabel(f"seconds from the sync of rollout step {args.steps[0]}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     names = ["trainer: sync", "trainer: waits for the rollout", "trainer: update", "server: requests in flight"]

@@ -115,7 +115,8 @@ def test_summary_medians_leave_out_the_warm_up_step(tmp_path):
 
 
 def test_timeline_draws_each_side_and_its_busy_fractions(tmp_path):
-    """Two rollout steps: the trainer busy 1 s of every 2 (sync + update), the server's requests overlapping."""
+    """Two rollout steps drawn: the trainer busy 1 s of every 2 (sync + update), the server's requests overlapping,
+    and a request of rollout step 3, sent ahead, that ran during step 2's update: the server was busy then too."""
     import plot_timeline
 
     run = tmp_path / "run"
@@ -124,13 +125,14 @@ def test_timeline_draws_each_side_and_its_busy_fractions(tmp_path):
     lines = [
         dict(rollout_step=1, trainer=dict(sync=[0, 0.5], rollout=[0.5, 1.0], update=[1.0, 1.5]), server=[[0.5, 1.0]]),
         dict(rollout_step=2, trainer=dict(sync=[1.5, 2.0], rollout=[2.0, 3.5], update=[3.5, 4.0]), server=[[0.9, 3.5]]),
+        dict(rollout_step=3, trainer=dict(sync=[4.0, 4.5], rollout=[4.5, 5.0], update=[5.0, 5.5]), server=[[3.6, 4.8]]),
     ]
     (run / "timeline.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "timeline.png"
     summary = plot_timeline.main([str(run), "--steps", "1", "2", "--out", str(out)])
     figures = summary[str(run)]
     assert figures["seconds"] == 4.0 and figures["rollout_steps_per_min"] == 30.0
-    assert figures["trainer_busy"] == 2.0 / 4.0 and figures["server_busy"] == 3.0 / 4.0
+    assert figures["trainer_busy"] == 2.0 / 4.0 and figures["server_busy"] == pytest.approx(3.4 / 4.0)
     assert matplotlib.image.imread(out).shape[2] in (3, 4)
     assert json.loads(out.with_suffix(".json").read_text()) == summary
     with pytest.raises(SystemExit, match="no timeline lines"):
