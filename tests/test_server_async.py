@@ -120,13 +120,14 @@ def served_prompt_logprobs(url: str, model_dir: str, token_ids: list[int]) -> li
 
 
 @pytest.mark.parametrize("clear_cache", [True, False])
-def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server, monkeypatch, clear_cache):
-    """Pause mode "keep": a long request sent under version 1 is frozen for the sync of version 2 and continues on
-    it; its tokens come back labelled 1 then 2 (with mode "wait" the request would finish on version 1 first). The
-    pause clears the cache: vLLM preempts the request (``vllm:num_preemptions_total``) and prefills it again on
-    version 2, so each token's log-prob is that of the version that sampled it, given the whole prefix: checked
-    token by token against each version's prompt log-probs. The control, a pause that keeps the cache, continues
-    the request on KV version 1 computed, and the tokens after the update match neither version."""
+def test_an_update_lands_between_decode_steps_of_requests_in_flight(server, monkeypatch, clear_cache):
+    """Pause mode "keep": four long requests sent under version 1 (as many as the server runs at once) are frozen for
+    the sync of version 2 and continue on it; each one's tokens come back labelled 1 then 2 (with mode "wait" they
+    would finish on version 1 first). The pause clears the cache: vLLM preempts the requests
+    (``vllm:num_preemptions_total``) and prefills them again on version 2, so each token's log-prob is that of the
+    version that sampled it, given the whole prefix: checked token by token, every completion, against each version's
+    prompt log-probs. The control, a pause that keeps the cache, continues the requests on KV version 1 computed,
+    and their tokens after the update match neither version."""
     from merge.lora_merge import LoraMergeTrainer
 
     _, url, model_dir = server
@@ -137,43 +138,51 @@ def test_an_update_lands_between_decode_steps_of_a_request_in_flight(server, mon
             trainer.client, "_pause", lambda: post("/pause", params={"mode": "keep", "clear_cache": "false"})
         )
     policies = {"1": lora_policy(model_dir, seed=1), "2": lora_policy(model_dir, seed=2)}
-    prompt = [1, 2, 3]
+    prompts = [[1, 2, 3 + i] for i in range(4)]
+    replies: list[dict] = [{} for _ in prompts]
     try:
         trainer.send_weights(policies["1"], weight_version="1")
-        reply = {}
 
-        def long_request():
-            sampling = dict(max_tokens=200, temperature=1.0, seed=0, ignore_eos=True, logprobs=0, detokenize=False)
-            body = dict(token_ids=prompt, model=model_dir, sampling_params=sampling)
-            reply.update(requests.post(f"{url}/inference/v1/generate", json=body, timeout=300).json())
+        def long_request(i: int):
+            sampling = dict(max_tokens=200, temperature=1.0, seed=i, ignore_eos=True, logprobs=0, detokenize=False)
+            body = dict(token_ids=prompts[i], model=model_dir, sampling_params=sampling)
+            replies[i].update(requests.post(f"{url}/inference/v1/generate", json=body, timeout=300).json())
 
-        thread = threading.Thread(target=long_request)
-        thread.start()
+        threads = [threading.Thread(target=long_request, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
         deadline = time.time() + 60
-        while running_requests(url) < 1 and time.time() < deadline:
+        while running_requests(url) < len(prompts) and time.time() < deadline:
             time.sleep(0.05)
         preempted = running_requests(url, "vllm:num_preemptions_total")
         trainer.send_weights(policies["2"], weight_version="2")
-        thread.join(timeout=300)
+        for thread in threads:
+            thread.join(timeout=300)
         preempted = running_requests(url, "vllm:num_preemptions_total") - preempted
-        [choice] = reply["choices"]
-        tokens, sampled = prompt + choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]
-        spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
-        gap = {}
-        for version, begin, end in spans:  # each version's own log-probs of the tokens it sampled
+        completions = []
+        for prompt, reply in zip(prompts, replies):
+            [choice] = reply["choices"]
+            sampled = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
+            completions.append((prompt, prompt + choice["token_ids"], sampled, spans))
+        gaps = [{} for _ in completions]
+        for version in policies:  # each version's own log-probs of the tokens it sampled, every completion
             trainer.send_weights(policies[version], weight_version=f"score-{version}")
-            served = served_prompt_logprobs(url, model_dir, tokens)[len(prompt) - 1 :]
-            gap[version] = max(abs(a - b) for a, b in zip(served[begin:end], sampled[begin:end]))
+            for gap, (prompt, tokens, sampled, spans) in zip(gaps, completions):
+                served = served_prompt_logprobs(url, model_dir, tokens)[len(prompt) - 1 :]
+                for _, begin, end in (span for span in spans if span[0] == version):
+                    gap[version] = max(abs(a - b) for a, b in zip(served[begin:end], sampled[begin:end]))
     finally:
         trainer.shutdown()
-    print(f"clear_cache={clear_cache}: preempted {preempted:g}, max |sampled - served| per version {gap}")
-    assert [v for v, _, _ in spans] == ["1", "2"] and spans[0][1] == 0 and spans[-1][2] == 200, spans
-    assert 0 < spans[0][2] == spans[1][1] < 200, spans
-    assert len(sampled) == 200 and gap["1"] < 1e-4, gap
+    print(f"clear_cache={clear_cache}: preempted {preempted:g}, max |sampled - served| per version {gaps}")
+    for _, _, sampled, spans in completions:  # every request was in flight when the update landed
+        assert [v for v, _, _ in spans] == ["1", "2"] and spans[0][1] == 0 and spans[-1][2] == 200, spans
+        assert 0 < spans[0][2] == spans[1][1] < 200 and len(sampled) == 200, spans
+    assert all(gap["1"] < 1e-4 for gap in gaps), gaps
     if clear_cache:
-        assert preempted >= 1 and gap["2"] < 1e-4, (preempted, gap)
+        assert preempted >= len(prompts) and all(gap["2"] < 1e-4 for gap in gaps), (preempted, gaps)
     else:
-        assert preempted == 0 and gap["2"] > 1e-3, (preempted, gap)
+        assert preempted == 0 and all(gap["2"] > 1e-3 for gap in gaps), (preempted, gaps)
 
 
 def test_abort_in_flight_drops_this_engines_requests_on_the_server(server):
