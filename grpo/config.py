@@ -213,6 +213,18 @@ class ToolCallingSettings:
         "the wrong rule: train on the conversation re-rendered by the chat template and tokenized again instead "
         "of the sampled ids (the engine's log-probs kept by position); for the comparison plots only",
     )
+    schedule: str = setting(
+        "per_episode",
+        "per_episode: each episode sends its next turn as soon as its own tools return (vllm.mode=server; the "
+        "colocated engine, whose offline batch call has no requests in flight, runs per turn either way); per_turn: "
+        "each turn waits for every episode of the rollout, then is sent as one batch",
+        choices=("per_episode", "per_turn"),
+    )
+    max_concurrent: int = setting(
+        16,
+        "episodes of one process whose tools may run at once (per_episode; a call's own tools run together)",
+        range=">= 1",
+    )
 
 
 @dataclass

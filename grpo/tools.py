@@ -21,11 +21,14 @@ name each give the model an error result and count as a failed call (`tools/fail
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -195,6 +198,7 @@ class Episode:
 
     prompt_ids: list[int]
     prompt_index: int
+    number: int = 0  # its place among the rollout's episodes (a server seeds its later turns with it: `turn_seed`)
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tool_mask: list[int] = field(default_factory=list)
@@ -239,6 +243,11 @@ class ToolEngine:
         self.max_iterations = cfg.max_tool_calling_iterations
         self.max_completion_length = cfg.max_completion_length
         self.retokenize = settings.retokenize
+        # a server takes requests one at a time (`send`); the colocated engine's offline call takes a whole batch
+        self.sends = hasattr(engine, "send")
+        self.per_episode = settings.schedule == "per_episode" and self.sends
+        self.tool_slots = threading.BoundedSemaphore(settings.max_concurrent)
+        self.tokenizing = threading.Lock()  # one tokenizer, episodes on threads of their own
 
     def awake(self):
         return self.engine.awake()
@@ -251,10 +260,26 @@ class ToolEngine:
 
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
         """Episodes for token-id prompts, ``sampling.n`` per prompt, prompt by prompt: one `Sample` each, its
-        `completion_ids` every token after the prompt (model and tool tokens), `tool_mask` 0 on tool tokens."""
+        `completion_ids` every token after the prompt (model and tool tokens), `tool_mask` 0 on tool tokens.
+
+        On a server each episode's later turns are seeded from its first turn's seed (`turn_seed`), so the same
+        episodes come back whether they run per turn or per episode."""
+        if not self.sends:
+            return [self._sample(e) for e in self._turn_by_turn(prompt_ids, sampling, None, use_tqdm)]
+        seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()  # as the server engine draws them
+        run = self._independently if self.per_episode else self._turn_by_turn
+        return [self._sample(e) for e in run(prompt_ids, sampling, seeds, use_tqdm)]
+
+    def _generate(self, histories: list[list[int]], sampling, seeds: list[int] | None, use_tqdm: bool = False):
+        if seeds is None:
+            return self.engine.generate(histories, sampling, use_tqdm=use_tqdm)
+        return self.engine.receive(self.engine.send(histories, sampling, seeds=seeds))
+
+    def _turn_by_turn(self, prompt_ids, sampling, seeds: list[int] | None, use_tqdm: bool) -> list[Episode]:
+        """Each turn waits for every episode of the rollout, then goes out as one batch."""
         episodes, continuing = [], []
-        for sample in self.engine.generate(prompt_ids, sampling, use_tqdm=use_tqdm):
-            episodes.append(Episode(sample.prompt_ids, sample.prompt_index))
+        for sample in self._generate(prompt_ids, sampling, seeds, use_tqdm):
+            episodes.append(Episode(sample.prompt_ids, sample.prompt_index, number=len(episodes)))
             if self._after_turn(episodes[-1], sample):
                 continuing.append(episodes[-1])
         rounds = 1
@@ -264,16 +289,49 @@ class ToolEngine:
                 break
             budgets = [self.max_completion_length - len(e.completion_ids) for e in continuing]
             per_episode = [one_sample(sampling, budget) for budget in budgets]
-            turns = self.engine.generate([e.prompt_ids + e.completion_ids for e in continuing], per_episode)
+            histories = [e.prompt_ids + e.completion_ids for e in continuing]
+            later = (
+                None if seeds is None else [turn_seed(seeds[e.prompt_index], e.number, rounds + 1) for e in continuing]
+            )
+            turns = self._generate(histories, per_episode, later)
             continuing = [e for e, s in zip(continuing, turns) if self._after_turn(e, s)]
             rounds += 1
-        return [self._sample(e) for e in episodes]
+        return episodes
+
+    def _independently(self, prompt_ids, sampling, seeds: list[int], use_tqdm: bool) -> list[Episode]:
+        """Each episode on a thread of its own: its next turn is sent as soon as its own tools return, whatever the
+        other episodes are doing (the tools of at most `tool_calling.max_concurrent` episodes run at once)."""
+        first_turns = [self.engine.send([ids], sampling, seeds=[seed]) for ids, seed in zip(prompt_ids, seeds)]
+        episodes: list[Episode | None] = [None] * (len(prompt_ids) * sampling.n)
+
+        def prompt(index: int) -> None:
+            samples = self.engine.receive(first_turns[index])
+            calls = [partial(episode, index, j, sample) for j, sample in enumerate(samples)]
+            for future in start_in_daemon_threads(calls, len(calls)):
+                future.result()  # an episode's failure (the server gone) is the prompt's, and so generate's
+
+        def episode(index: int, j: int, sample: Sample) -> None:
+            number = index * sampling.n + j
+            one = episodes[number] = Episode(prompt_ids[index], index, number=number)
+            going, rounds = self._after_turn(one, sample), 1
+            while going and (self.max_iterations is None or rounds <= self.max_iterations):
+                if not self._append_tool_results(one):
+                    break
+                turn = one_sample(sampling, self.max_completion_length - len(one.completion_ids))
+                history = one.prompt_ids + one.completion_ids
+                (sample,) = self._generate([history], turn, [turn_seed(seeds[index], number, rounds + 1)])
+                going, rounds = self._after_turn(one, sample), rounds + 1
+
+        for future in start_in_daemon_threads([partial(prompt, i) for i in range(len(prompt_ids))], len(prompt_ids)):
+            future.result()
+        return episodes
 
     def _after_turn(self, episode: Episode, sample: Sample) -> bool:
         """Append a model turn; whether it called a tool and has room to go on."""
         ids = sample.completion_ids
         ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        with self.tokenizing:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
         calls = parse_tool_calls(text) if ended else []
         episode.add_turn(sample, calls, ended)
         return bool(calls) and len(episode.completion_ids) < self.max_completion_length
@@ -282,9 +340,11 @@ class ToolEngine:
         """Run the last turn's calls and append their rendered results (tool tokens); False when the results would
         pass max_completion_length (dropped, as TRL drops them) or leave no room for another turn."""
         _, calls, _ = episode.turns[-1]
-        results = self.caller.run(calls)
+        with self.tool_slots:
+            results = self.caller.run(calls)
         messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in results]
-        suffix = self.renderer.tool_suffix_ids(messages)
+        with self.tokenizing:
+            suffix = self.renderer.tool_suffix_ids(messages)
         episode.tool_calls += len(results)
         episode.tool_failures += sum(failed for _, _, failed in results)
         if len(episode.completion_ids) + len(suffix) > self.max_completion_length:
@@ -341,6 +401,13 @@ class ToolEngine:
             tool_failures=episode.tool_failures,
             retokenization_drift=drifted,
         )
+
+
+def turn_seed(first_turn_seed: int, episode: int, turn: int) -> int:
+    """The seed of an episode's later turn on a server: from its prompt's first-turn seed (drawn from the process's
+    RNG, in order), the episode's number and the turn, so it does not depend on when the turn is sent."""
+    digest = hashlib.sha256(f"{first_turn_seed}/{episode}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def one_sample(sampling, max_tokens: int):

@@ -191,6 +191,8 @@ BAD_VALUES = {
     "tool_calling.timeout_s": "0",
     "tool_calling.max_output_chars": "0",
     "tool_calling.retokenize": "maybe",
+    "tool_calling.schedule": "per_batch",
+    "tool_calling.max_concurrent": "0",
 }
 
 

@@ -15,7 +15,7 @@ from grpo.data import make_batch, select
 from grpo.engines.interface import Sample
 from grpo.tiny_tools import build_tool_tokenizer, make_tool_problems, render, tool_conversation
 from grpo.tool_functions import calculator
-from grpo.tools import ToolCaller, ToolEngine, load_tools, parse_tool_calls, tool_stats
+from grpo.tools import ToolCaller, ToolEngine, load_tools, parse_tool_calls, tool_stats, turn_seed
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48"}}\n</tool_call>'
 
@@ -283,3 +283,72 @@ def test_the_recipe_refuses_a_tool_it_cannot_describe_before_the_model_loads(tmp
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: tools entry 'json:dumps' cannot be described to the model"), line
     assert not (tmp_path / "run").exists()
+
+
+def wait_then_echo(key: str) -> str:
+    """Return the key, after 0.6 s when it is "slow".
+
+    Args:
+        key: "slow" or anything else
+    """
+    time.sleep(0.6 if key == "slow" else 0.0)
+    return key
+
+
+class SendingEngine(ScriptedEngine):
+    """A scripted server engine (`send` / `receive`): the first turn of a prompt asking for "slow" calls
+    `wait_then_echo("slow")`, of any other `wait_then_echo("fast")`; every later turn answers. Records when each
+    request was sent, its ids and its seed."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, [])
+        self.sent = []
+
+    def send(self, prompt_ids, sampling, seeds=None):
+        self.sent.append([(time.monotonic(), list(ids), seed) for ids, seed in zip(prompt_ids, seeds)])
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
+        samples = []
+        for index, (ids, params) in enumerate(zip(prompt_ids, per_prompt)):
+            if self.response_open in ids:
+                text = "#### done"
+            else:
+                key = "slow" if "slow" in self.tokenizer.decode(ids) else "fast"
+                text = f'<tool_call>\n{{"name": "wait_then_echo", "arguments": {{"key": "{key}"}}}}\n</tool_call>'
+            full = self.encode(text) + [self.tokenizer.eos_token_id]
+            samples += [Sample(list(ids), full, "", [-0.5] * len(full), False, index) for _ in range(params.n)]
+        return samples
+
+    def receive(self, pending):
+        return pending
+
+
+@pytest.mark.parametrize("schedule", ["per_episode", "per_turn"])
+def test_on_a_server_each_episode_sends_its_next_turn_when_its_own_tools_return(tokenizer, schedule):
+    """Two prompts, two episodes each; one prompt's tool takes 0.6 s. Per episode, the fast episodes' second turns
+    leave before the slow tool returns; per turn (the control) they wait for it and leave in one batch with the slow
+    ones. Both schedules give the same episodes and the same seeds: the first turn's from the process's RNG, later
+    turns' derived from it (`turn_seed`), whatever the order they leave in."""
+    cfg = SimpleNamespace(
+        tool_calling=ToolCallingSettings(schedule=schedule),
+        max_tool_calling_iterations=None,
+        max_completion_length=96,
+    )
+    engine = ToolEngine(SendingEngine(tokenizer), tokenizer, [wait_then_echo], cfg)
+    prompts = [prompt_ids(tokenizer, "the fast one, please"), prompt_ids(tokenizer, "the slow one, please")]
+    torch.manual_seed(0)
+    started = time.monotonic()
+    samples = engine.generate(prompts, Sampling(n=2, max_tokens=96))
+    sent = [request for batch in engine.engine.sent for request in batch]
+    assert len(samples) == 4 and all(s.tool_calls == 1 and s.tool_failures == 0 for s in samples)
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
+    later = [(at - started, ids[: len(prompts[0])] == prompts[0], seed) for at, ids, seed in sent[2:]]
+    fast, slow = [at for at, is_fast, _ in later if is_fast], [at for at, is_fast, _ in later if not is_fast]
+    assert len(fast) == len(slow) == 2
+    if schedule == "per_episode":
+        assert max(fast) < 0.5 <= min(slow), later  # the fast episodes went on while the slow tool ran
+    else:
+        assert min(fast) >= 0.6 and len(engine.engine.sent) == 2, later  # one batch per turn, after the slow tools
+    torch.manual_seed(0)
+    first = torch.randint(0, 2**31 - 1, (2,)).tolist()
+    assert [seed for _, _, seed in sent[:2]] == first
+    assert sorted(seed for _, _, seed in later) == sorted(turn_seed(first[e // 2], e, 2) for e in range(4))

@@ -136,7 +136,7 @@ class ServerEngine:
         self.transfer = None  # merge=true, rank 0: the lora_merge trainer engine (connects at the first sync)
         self.pause_mode = pause_mode  # how a sync pauses the server: "wait" (synchronous), "keep" (max_staleness>=1)
         self.in_flight: set[str] = set()  # ids of this process's requests the server has not answered yet
-        self._request_ids = (f"grpo-{os.getpid()}-{rank}-{n}" for n in itertools.count())
+        self._request_numbers = itertools.count()  # its next() is atomic: episodes send from their own threads
         self._salt = f"grpo-{secrets.token_hex(8)}-{rank}"  # `cache_salt`
 
     @classmethod
@@ -403,14 +403,16 @@ class ServerEngine:
         sync's stops the run, naming both."""
         return self.receive(self.send(prompt_ids, sampling))
 
-    def send(self, prompt_ids: list[list[int]], sampling) -> PendingGeneration:
+    def send(self, prompt_ids: list[list[int]], sampling, seeds: list[int] | None = None) -> PendingGeneration:
         """Send one request per prompt, now (daemon threads); `receive` collects the completions. The seeds come
-        from the process's RNG here, in the caller's order, as checkpoints save it."""
+        from the process's RNG here, in the caller's order, as checkpoints save it, unless the caller gives them
+        (episodes that send from threads of their own: grpo/tools.py). Safe to call from several threads."""
         if self.version is None:
             raise EngineStateError("generate() before any sync_policy: the server's weights are not the policy's")
-        seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
+        if seeds is None:
+            seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
         model = self.lora_name if not self.merge else self.served_name
-        request_ids = [next(self._request_ids) for _ in prompt_ids]
+        request_ids = [f"grpo-{os.getpid()}-{self.rank}-{next(self._request_numbers)}" for _ in prompt_ids]
         self.in_flight.update(request_ids)
         salt = self.cache_salt()
 
