@@ -10,10 +10,12 @@
 
    - `table PLOT RUN KEY`: the plot's summary table, as just redrawn (PLOT: `grpo_variants`, the table in
      results/grpo_variants.json), the row of RUN (its folder under results/), the value under KEY;
-   - `json FILE PATH`: a committed JSON file under results/ (a benchmark's), PATH dotted (`a.b.0.c`);
+   - `json FILE PATH [STAT]`: a committed JSON file under results/ (a benchmark's), PATH dotted (`a.b.0.c`); a `*`
+     in PATH takes every entry of a list, and STAT (below) reduces them (`runs.max_staleness=0.*.trainer_busy
+     median_all`);
    - `run RUN KEY STAT`: RUN's metrics.jsonl, KEY over its rollout steps; STAT is one of `median` (the first step
-     left out, it includes warm-ups), `min`, `max`, `min_after_first`, `max_after_first`, `first`, `last`,
-     `maxdev1` (max |value - 1|);
+     left out, it includes warm-ups), `median_all` (every value: for benchmark repetitions), `min`, `max`,
+     `min_after_first`, `max_after_first`, `first`, `last`, `maxdev1` (max |value - 1|);
 
    and an optional last word `x100` (a percentage) or `x1000` scales the value. Two queries joined by ` / ` or
    ` - ` give a ratio or a difference (`table grpo_metrics tiny-cpu-merge median_step_s / table ...`).
@@ -99,6 +101,7 @@ def rollout_values(run: str, key: str) -> list[float]:
 
 STATS = {
     "median": lambda values: statistics.median(values[1:]),
+    "median_all": statistics.median,
     "min": min,
     "max": max,
     "min_after_first": lambda values: min(values[1:]),
@@ -107,6 +110,10 @@ STATS = {
     "last": lambda values: values[-1],
     "maxdev1": lambda values: max(abs(v - 1) for v in values),
 }
+
+
+def json_entry(value, part: str):
+    return value[int(part)] if isinstance(value, list) else value[part]
 
 
 def figure(query: str, tables: Path) -> float:
@@ -124,10 +131,11 @@ def figure(query: str, tables: Path) -> float:
         plot, run, key = args
         rows = {row["run"]: row for row in json.loads((tables / f"{plot}.json").read_text())}
         value = rows[f"results/{run}"][key]
-    elif kind == "json" and len(args) == 2:
-        value = json.loads((RESULTS / args[0]).read_text())
-        for part in args[1].split("."):
-            value = value[int(part)] if isinstance(value, list) else value[part]
+    elif kind == "json" and len(args) in (2, 3) and (len(args) == 2 or args[2] in STATS):
+        values = [json.loads((RESULTS / args[0]).read_text())]
+        for part in args[1].split("."):  # `*`: every entry of a list
+            values = [v for value in values for v in (value if part == "*" else [json_entry(value, part)])]
+        value = STATS[args[2]](values) if len(args) == 3 else values[0]
     elif kind == "run" and len(args) == 3 and args[2] in STATS:
         value = STATS[args[2]](rollout_values(args[0], args[1]))
     else:
@@ -179,9 +187,9 @@ def check_runs_table() -> list[str]:
     text = (RESULTS / "README.md").read_text()
     if RUNS_TABLE not in text:
         return [f"results/README.md has no table of runs ({RUNS_TABLE})"]
-    rows = {
-        line.split("|")[1].strip(): line for line in text.split(RUNS_TABLE, 1)[1].splitlines() if line.startswith("| `")
-    }
+    after = text.split(RUNS_TABLE, 1)[1].lstrip("\n").splitlines()
+    table = after[: next((i for i, line in enumerate(after) if not line.startswith("|")), len(after))]
+    rows = {line.split("|")[1].strip(): line for line in table if line.startswith("| `")}
     problems = []
     for run in run_folders():
         name, row = f"`{run.relative_to(RESULTS).as_posix()}`", run_row(run, git=False)
