@@ -190,6 +190,7 @@ def test_abort_in_flight_drops_this_engines_requests_on_the_server(server):
     (``generate-tokens-<id>``): the server drops them at once, running and queued alike."""
     from vllm import SamplingParams
 
+    from grpo.engines.interface import EngineStateError
     from grpo.engines.server import ServerEngine
 
     _, url, model_dir = server
@@ -211,6 +212,8 @@ def test_abort_in_flight_drops_this_engines_requests_on_the_server(server):
     assert running_requests(url) == 0 and running_requests(url, "vllm:num_requests_waiting") == 0
     assert all(future.done() for future in pending.futures) and not engine.in_flight
     engine.close()
+    with pytest.raises(EngineStateError, match="closed"):  # an episode's later turn after close() is never sent
+        engine.send([[1, 2, 3]], SamplingParams(n=1, max_tokens=4))
 
 
 def test_max_staleness_1_stops_cleanly_on_sigterm_and_resumes_with_exact_fidelity(server, tmp_path):

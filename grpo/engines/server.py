@@ -136,6 +136,7 @@ class ServerEngine:
         self.transfer = None  # merge=true, rank 0: the lora_merge trainer engine (connects at the first sync)
         self.pause_mode = pause_mode  # how a sync pauses the server: "wait" (synchronous), "keep" (max_staleness>=1)
         self.in_flight: set[str] = set()  # ids of this process's requests the server has not answered yet
+        self.closed = False  # after close() no request is sent
         self._request_numbers = itertools.count()  # its next() is atomic: episodes send from their own threads
         self._salt = f"grpo-{secrets.token_hex(8)}-{rank}"  # `cache_salt`
 
@@ -398,15 +399,15 @@ class ServerEngine:
         return [entry["id"] for entry in self._get("/v1/models")["data"] if entry.get("parent")]
 
     def generate(self, prompt_ids: list[list[int]], sampling, use_tqdm: bool = False) -> list[Sample]:
-        """Sample completions for token-id prompts on the server (one request per prompt, sent together); one
-        `Sample` per completion, prompt by prompt. A completion sampled from another weight version than the last
-        sync's stops the run, naming both."""
+        """One `Sample` per completion, prompt by prompt, from the server (one request per prompt, sent together);
+        a completion sampled by another weight version than the syncs pushed stops the run, naming both."""
         return self.receive(self.send(prompt_ids, sampling))
 
     def send(self, prompt_ids: list[list[int]], sampling, seeds: list[int] | None = None) -> PendingGeneration:
-        """Send one request per prompt, now (daemon threads); `receive` collects the completions. The seeds come
-        from the process's RNG here, in the caller's order, as checkpoints save it, unless the caller gives them
-        (episodes that send from threads of their own: grpo/tools.py). Safe to call from several threads."""
+        """Send one request per prompt, now (daemon threads; safe from several threads); `receive` collects them.
+        Seeds: ``seeds`` (grpo/tools.py's episodes), or drawn here from the process's RNG as checkpoints save it."""
+        if self.closed:  # an episode's later turn after close() is never sent
+            raise EngineStateError("the engine is closed: no request is sent")
         if self.version is None:
             raise EngineStateError("generate() before any sync_policy: the server's weights are not the policy's")
         if seeds is None:
@@ -492,6 +493,7 @@ class ServerEngine:
                 )
 
     def close(self) -> None:
+        self.closed = True
         self.abort_in_flight()
         if self.transfer is not None:
             self.transfer.shutdown()
