@@ -85,12 +85,13 @@ def measure(run_dir: Path, warmup: int, completions_per_step: int) -> dict:
     steps = [m for m in every if m["rollout_step"] > warmup]
     phases = {k: statistics.median(m[k] for m in steps) for k in ("sync_s", "rollout_s", "update_s", "step_s")}
     steady, whole = busy_fractions(timeline[warmup:], timeline), busy_fractions(timeline)
+    tokens = sum(m["rollout_tokens"] for m in steps)
     result = {
         **steady,
         **{f"median_{k}": v for k, v in phases.items()},
-        "rollout_tokens": sum(m["rollout_tokens"] for m in steps),
+        "rollout_tokens": tokens,
         "completions": completions_per_step * len(steps),
-        "rollout_tokens_per_s": sum(m["rollout_tokens"] for m in steps) / steady["seconds"],
+        "rollout_tokens_per_s": tokens / steady["seconds"],
         "whole_run": dict(
             rollout_steps=len(every),
             seconds=whole["seconds"],
@@ -174,6 +175,13 @@ def summary(args: argparse.Namespace, overrides: list[str], runs: dict[int, list
     sync = runs[0]
     phases = {k: statistics.median(r[f"median_{k}"] for r in sync) for k in ("sync_s", "rollout_s", "update_s")}
     s, g, u = phases["sync_s"], phases["rollout_s"], phases["update_s"]
+
+    def per_mode(figure) -> dict:
+        return {f"max_staleness={m}": spread([figure(r) for r in runs[m]]) for m in MODES}
+
+    def speedup(mode: int, figure) -> dict:  # each repetition's ratio to the synchronous run beside it
+        return spread([figure(a) / figure(b) for a, b in zip(runs[mode], sync)])
+
     return dict(
         command="python bench/bench_async.py " + " ".join(sys.argv[1:]),
         machine=machine_info(),
@@ -189,33 +197,13 @@ def summary(args: argparse.Namespace, overrides: list[str], runs: dict[int, list
         ),
         load_average_1min_per_repetition=load,
         runs={f"max_staleness={mode}": runs[mode] for mode in MODES},
-        rollout_steps_per_min={
-            f"max_staleness={m}": spread([r["rollout_steps_per_min"] for r in runs[m]]) for m in MODES
-        },
-        speedup_async1_over_sync=spread(
-            [a["rollout_steps_per_min"] / b["rollout_steps_per_min"] for a, b in zip(runs[1], sync)]
-        ),
-        speedup_async2_over_sync=spread(
-            [a["rollout_steps_per_min"] / b["rollout_steps_per_min"] for a, b in zip(runs[2], sync)]
-        ),
-        rollout_tokens_per_s={
-            f"max_staleness={m}": spread([r["rollout_tokens_per_s"] for r in runs[m]]) for m in MODES
-        },
-        whole_run_rollout_steps_per_min={
-            f"max_staleness={m}": spread([r["whole_run"]["rollout_steps_per_min"] for r in runs[m]]) for m in MODES
-        },
-        whole_run_speedup_async1_over_sync=spread(
-            [
-                a["whole_run"]["rollout_steps_per_min"] / b["whole_run"]["rollout_steps_per_min"]
-                for a, b in zip(runs[1], sync)
-            ]
-        ),
-        whole_run_speedup_async2_over_sync=spread(
-            [
-                a["whole_run"]["rollout_steps_per_min"] / b["whole_run"]["rollout_steps_per_min"]
-                for a, b in zip(runs[2], sync)
-            ]
-        ),
+        rollout_steps_per_min=per_mode(lambda r: r["rollout_steps_per_min"]),
+        speedup_async1_over_sync=speedup(1, lambda r: r["rollout_steps_per_min"]),
+        speedup_async2_over_sync=speedup(2, lambda r: r["rollout_steps_per_min"]),
+        rollout_tokens_per_s=per_mode(lambda r: r["rollout_tokens_per_s"]),
+        whole_run_rollout_steps_per_min=per_mode(lambda r: r["whole_run"]["rollout_steps_per_min"]),
+        whole_run_speedup_async1_over_sync=speedup(1, lambda r: r["whole_run"]["rollout_steps_per_min"]),
+        whole_run_speedup_async2_over_sync=speedup(2, lambda r: r["whole_run"]["rollout_steps_per_min"]),
         sync_phase_medians_s=phases,
         speedup_bound_from_sync_phases=(s + g + u) / max(g, s + u),
         note=(

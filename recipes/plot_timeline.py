@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 
+from grpo.engines.rollout_queue import union_intervals  # noqa: E402
 from grpo.figures import paper_style, save_figure  # noqa: E402
 from grpo.metrics import busy_fractions  # noqa: E402
 
@@ -31,17 +32,6 @@ COLORS = {"sync": "#d95f02", "rollout": "#bbbbbb", "update": "#1b9e77", "server"
 
 def read_timeline(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
-
-
-def merged(intervals: list[list[float]]) -> list[list[float]]:
-    """The union of intervals, as disjoint sorted intervals."""
-    out: list[list[float]] = []
-    for lo, hi in sorted(intervals):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return out
 
 
 def label(run_dir: Path) -> str:
@@ -68,9 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         for t in lines:
             for name, (lo, hi) in t["trainer"].items():
                 ax.barh(1, hi - lo, left=lo - origin, height=0.6, color=COLORS[name], edgecolor="none")
-        for lo, hi in merged(
-            [[max(lo, origin), min(hi, end)] for t in every for lo, hi in t["server"] if hi > origin and lo < end]
-        ):
+        for lo, hi in union_intervals([tuple(i) for t in every for i in t["server"]], origin, end):
             ax.barh(0, hi - lo, left=lo - origin, height=0.6, color=COLORS["server"], edgecolor="none")
         ax.set_yticks([0, 1], ["server", "trainer"])
         ax.set_title(label(run_dir), loc="left")

@@ -102,15 +102,23 @@ def request_intervals(pending, now: float) -> list[tuple[float, float]]:
     return intervals
 
 
-def union_seconds(intervals: list[tuple[float, float]], start: float, end: float) -> float:
-    """The length of the union of ``intervals`` within [start, end]."""
-    total, reach = 0.0, start
+def union_intervals(intervals, start: float, end: float) -> list[tuple[float, float]]:
+    """The union of ``intervals`` within [start, end], as disjoint sorted intervals."""
+    union: list[tuple[float, float]] = []
     for lo, hi in sorted(intervals):
-        lo, hi = max(lo, reach), min(hi, end)
-        if hi > lo:
-            total += hi - lo
-            reach = hi
-    return total
+        lo, hi = max(lo, start), min(hi, end)
+        if hi <= lo:
+            continue
+        if union and lo <= union[-1][1]:  # overlaps or touches the last one: extend it
+            union[-1] = (union[-1][0], max(union[-1][1], hi))
+        else:
+            union.append((lo, hi))
+    return union
+
+
+def union_seconds(intervals, start: float, end: float) -> float:
+    """The length of the union of ``intervals`` within [start, end]."""
+    return sum(hi - lo for lo, hi in union_intervals(intervals, start, end))
 
 
 def staleness_stats(samples: list[Sample], rollout_step: int) -> dict:
