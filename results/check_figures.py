@@ -194,9 +194,7 @@ def check_runs_table() -> list[str]:
     for run in run_folders():
         name, row = f"`{run.relative_to(RESULTS).as_posix()}`", run_row(run, git=False)
         if name not in rows:
-            problems.append(
-                f"results/README.md's table of runs has no row for {name}: {runs_table.__name__}() gives {row}"
-            )
+            problems.append(f"results/README.md's table of runs has no row for {name}: --runs-table gives {row}")
         elif (run / "provenance.json").exists() and rows[name] != row:
             problems.append(f"results/README.md's row for {name} is not what its provenance.json says: {row}")
     return problems
@@ -207,9 +205,9 @@ def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
     problems, checked = [], 0
     for path in files:
         for number, line in enumerate(path.read_text().splitlines(), 1):
+            place = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}"
             for tag in TAG.finditer(line):
                 written, query = tag.groups()
-                place = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}"
                 try:
                     value = figure(query, tables)
                 except (KeyError, IndexError, ValueError, FileNotFoundError) as error:
@@ -219,7 +217,7 @@ def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
                 if not matches(written, value):
                     problems.append(f"{place}: {written} ({query}) is {value:.6g} in its source")
             if "<!--fig" in line and len(TAG.findall(line)) != line.count("<!--fig"):
-                problems.append(f"{path}:{number}: a figure tag without a number right before it")
+                problems.append(f"{place}: a figure tag without a number right before it")
     return problems, checked
 
 
