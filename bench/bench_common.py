@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import socket
@@ -44,6 +45,15 @@ def machine_info() -> dict:
         load_average_1_5_15_min=[round(x, 2) for x in os.getloadavg()],
         packages=package_versions(),
     )
+
+
+def write_report(report: dict, out: str | None) -> None:
+    """Print ``report`` as JSON, and write it to ``out`` (its folder made) where one is given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
 
 
 def with_random_lora(

@@ -29,6 +29,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -350,6 +351,9 @@ def check_fp16(cfg, model_config, device: torch.device, steps: int) -> dict:
 
 
 def table(report: dict) -> str:
+    failed = [name for name in ("update", "sync", "attention", "fp16") if "error" in report[name]]
+    if failed:
+        return "\n".join(f"{name}: FAILED {report[name]['error']}" for name in failed)
     u, s, a, f = report["update"], report["sync"], report["attention"], report["fp16"]
     rows = [
         ("update: seconds per optimizer step", f"{u['seconds_per_step']:.2f} ({u['tokens']} tokens)"),
@@ -410,28 +414,41 @@ def main(argv=None) -> dict:
         overrides=overrides,
         vllm_imported=sys.modules.get("vllm") is not None,
     )
+
+    def section(name: str, measure) -> None:
+        """One section: its figures, or its error (the other sections still run); the JSON is rewritten after each,
+        so a run cut short keeps what it measured."""
+        try:
+            report[name] = measure()
+        except Exception as error:  # a GPU's first run: one failing section must not cost the others
+            traceback.print_exc()
+            report[name] = dict(error=f"{type(error).__name__}: {error}")
+        report["total_s"] = time.perf_counter() - started
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory() as store_dir:
         join_group_of_one(device, store_dir)
         try:
             model = build_policy(cfg, model_config, torch.bfloat16, device)
             report["parameters"] = sum(p.numel() for p in model.parameters())
-            report["update"] = check_update(cfg, overrides, model_config, model, device)
-            report["sync"] = check_sync(model, torch.bfloat16, device)
-            report["attention"] = check_attention(cfg, model_config, model, device)
+            section("update", lambda model=model: check_update(cfg, overrides, model_config, model, device))
+            section("sync", lambda model=model: check_sync(model, torch.bfloat16, device))
+            section("attention", lambda model=model: check_attention(cfg, model_config, model, device))
             del model
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            report["fp16"] = check_fp16(cfg, model_config, device, args.fp16_steps)
+            section("fp16", lambda: check_fp16(cfg, model_config, device, args.fp16_steps))
         finally:
             dist.destroy_process_group()
-    report["vllm_imported"] = sys.modules.get("vllm") is not None
-    report["total_s"] = time.perf_counter() - started
+    section("vllm_imported", lambda: sys.modules.get("vllm") is not None)
     print(table(report))
     print(f"total {report['total_s']:.0f} s; vLLM imported: {report['vllm_imported']}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    failed = [name for name in ("update", "sync", "attention", "fp16") if "error" in report[name]]
+    if failed:
+        sys.exit(f"error: the section(s) {', '.join(failed)} failed (their errors are in the JSON and above)")
     return report
 
 

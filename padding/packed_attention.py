@@ -37,6 +37,8 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters  # its keywords grew across torch releases
+
 PACKED_SDPA = "packed_sdpa"
 # False: the per-sample loop on CUDA too (bench/gpu_check.py compares both)
 VARLEN_ON_CUDA = True
@@ -104,18 +106,14 @@ def _varlen_attention(module, query, key, value, bounds: list[int], scaling):
     longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
     # [T, H, D] rows, made contiguous as transformers' own flash_attention_2 path does (one copy per layer)
     query, key, value = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    out = varlen_attn(
-        query,
-        key,
-        value,
-        cu_seqlens,
-        cu_seqlens,
-        longest,
-        longest,
-        scale=scaling,
-        window_size=(-1, 0),
-        enable_gqa=query.shape[1] != key.shape[1],
-    )  # (-1, 0): causal
+    options = dict(scale=scaling, window_size=(-1, 0))  # (-1, 0): causal
+    if query.shape[1] != key.shape[1]:
+        if "enable_gqa" in VARLEN_PARAMETERS:
+            options["enable_gqa"] = True
+        else:  # torch <= 2.12 takes as many key/value heads as query heads: each group's own copy
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = varlen_attn(query, key, value, cu_seqlens, cu_seqlens, longest, longest, **options)
     return out[None]
 
 

@@ -112,6 +112,10 @@ STATS = {
 }
 
 
+def every_entry(value) -> list:
+    return list(value.values()) if isinstance(value, dict) else list(value)
+
+
 def json_entry(value, part: str):
     return value[int(part)] if isinstance(value, list) else value[part]
 
@@ -133,8 +137,8 @@ def figure(query: str, tables: Path) -> float:
         value = rows[f"results/{run}"][key]
     elif kind == "json" and len(args) in (2, 3) and (len(args) == 2 or args[2] in STATS):
         values = [json.loads((RESULTS / args[0]).read_text())]
-        for part in args[1].split("."):  # `*`: every entry of a list
-            values = [v for value in values for v in (value if part == "*" else [json_entry(value, part)])]
+        for part in args[1].split("."):  # `*`: every entry of a list, every value of a mapping
+            values = [v for value in values for v in (every_entry(value) if part == "*" else [json_entry(value, part)])]
         value = STATS[args[2]](values) if len(args) == 3 else values[0]
     elif kind == "run" and len(args) == 3 and args[2] in STATS:
         value = STATS[args[2]](rollout_values(args[0], args[1]))

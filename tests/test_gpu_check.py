@@ -1,10 +1,13 @@
 """bench/gpu_check.py, the GPU kit, in its CPU smoke mode: every section runs, on a machine without vLLM."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the kit runs without vLLM: an import of it anywhere on the kit's path fails here, as on a GPU machine without vLLM
@@ -43,3 +46,24 @@ def test_the_gpu_kit_runs_every_section_without_vllm(tmp_path):
         "fp16: losses finite, skipped, last scale",
     ):
         assert line in proc.stdout
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    """A first GPU run must not lose every figure to one section's error: the error goes into the JSON, the other
+    sections run, and the kit exits non-zero naming the failed section."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    kit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kit)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(kit, "check_sync", broken)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = tmp_path / "gpu_check.json"
+    with pytest.raises(SystemExit, match="the section\\(s\\) sync failed"):
+        kit.main(["--smoke", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["sync"] == {"error": "RuntimeError: CUDA out of memory (injected)"}
+    assert len(report["update"]["steps"]) == 2 and "per_sample" in report["attention"]
+    assert report["fp16"]["all_losses_finite"] and report["vllm_imported"] is False

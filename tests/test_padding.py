@@ -6,6 +6,7 @@ token after packed position k, so response token j of sample i is read at packed
 start_i + prompt_len_i + j - 1.
 """
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -1028,13 +1029,31 @@ def fake_varlen_attn(calls):
     return varlen_attn
 
 
-def test_packed_sdpa_on_cuda_makes_one_varlen_call_per_layer(monkeypatch):
-    """The CUDA branch, run on the CPU against varlen_attn's contract (torch has no CPU kernel for it): one call
-    per layer over the whole row; log-probs and gradients as the per-sample path's."""
+def fake_varlen_attn_torch_2_11(calls):
+    """torch 2.11's varlen_attn (seen on an H100): no ``enable_gqa`` keyword, as many key/value heads as query heads."""
+    current = fake_varlen_attn(calls)
+
+    def varlen_attn(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=None
+    ):
+        assert key.shape[1] == value.shape[1] == query.shape[1], (
+            "FlashAttention without GQA: one key head per query head"
+        )
+        return current(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize("contract", [fake_varlen_attn, fake_varlen_attn_torch_2_11], ids=["torch-2.13", "torch-2.11"])
+def test_packed_sdpa_on_cuda_makes_one_varlen_call_per_layer(monkeypatch, contract):
+    """The CUDA branch, run on the CPU against varlen_attn's contract (torch has no CPU kernel for it) as torch 2.13
+    and 2.11 define it: one call per layer over the whole row; log-probs and gradients as the per-sample path's."""
     ids, mask, response_mask = layout(MODEL_PROMPTS, MODEL_RESPONSES, seed=4)
     want = loss_and_lora_like_grads(tiny_qwen3("packed_sdpa"), ids, mask, response_mask)
     calls = []
-    monkeypatch.setattr(packed_attention, "varlen_attn", fake_varlen_attn(calls))
+    fake = contract(calls)
+    monkeypatch.setattr(packed_attention, "varlen_attn", fake)
+    monkeypatch.setattr(packed_attention, "VARLEN_PARAMETERS", inspect.signature(fake).parameters)
     monkeypatch.setattr(packed_attention, "varlen_usable", lambda query, key, dropout: True)
     sdpa_calls = spy_on_sdpa(monkeypatch)
     model = tiny_qwen3("packed_sdpa")
