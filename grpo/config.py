@@ -435,16 +435,11 @@ class RecipeConfig:
             )
 
     def check_tools(self) -> None:
-        """Tools are described to the model by the chat template, and (for now) run synchronously."""
+        """Tools are described to the model by the chat template."""
         if not self.data.use_chat_template:
             raise ConfigError(
                 f"tools={self.tools} needs data.use_chat_template=true: the chat template describes the tools to the "
                 "model and renders their results"
-            )
-        if self.max_staleness > 0:
-            raise ConfigError(
-                f"tools={self.tools} with max_staleness={self.max_staleness}: multi-turn episodes run synchronously "
-                "(max_staleness=0)"
             )
 
 

@@ -2,10 +2,11 @@
 weights that sampled each token.
 
 Synchronous rollouts are scored by the version that sampled them, so |vLLM - trainer| on the old log-probs proves
-the sync. Asynchronous ones are mostly sampled by earlier versions. The check covers the completions sampled wholly
-by one version v (one an update landed in was prefilled again on the new weights, so each of its segments is its
-version's, docs/async.md; the check leaves those out): v = the trainer's own (the old log-probs, free), and v
-earlier for the first mini-batch, scored in a no-grad forward with version v's LoRA factors swapped in.
+the sync. Asynchronous ones are mostly sampled by earlier versions, and a completion can hold tokens of several (an
+update that landed in flight was prefilled again on the new weights; a tool episode's turns are requests of their
+own): every token is its version's sample given its whole prefix (docs/async.md). The check covers tokens by the
+version v that sampled each: v = the trainer's own on every completion (the old log-probs, free), and v earlier on
+the first mini-batch, scored in a no-grad forward with version v's LoRA factors swapped in.
 `PolicyVersions` keeps those factors: this rank's shards of the last max_staleness versions, adapter-sized copies.
 """
 
@@ -48,14 +49,6 @@ class PolicyVersions:
                 p.copy_(current)
 
 
-def completion_versions(versions: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[N] the one version that sampled each completion's every token; -1 where it changed midway."""
-    mask = response_mask.bool()
-    high = torch.where(mask, versions, torch.full_like(versions, -(2**31))).max(dim=1).values
-    low = torch.where(mask, versions, torch.full_like(versions, 2**31)).min(dim=1).values
-    return torch.where(high == low, high, torch.full_like(high, -1))
-
-
 def sampler_log_probs(
     batch: dict,
     rows: slice,
@@ -65,11 +58,14 @@ def sampler_log_probs(
     score: Callable[[dict], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's log-probs of the tokens under the version that sampled them, and where they are known ([N, R]
-    each): completions of one version, the trainer's own everywhere, earlier ones in ``rows`` (``score(sub)`` is the
-    recipe's no-grad forward of a mini-batch). Every rank runs one forward per earlier version (FSDP2 collectives)."""
-    one_version = completion_versions(batch["versions"], batch["response_mask"])
+    each), token by token: the trainer's own version's tokens everywhere (the old log-probs), earlier versions'
+    tokens in ``rows`` (``score(sub)`` is the recipe's no-grad forward of a mini-batch), whatever else sampled the
+    rest of their completion (an update that landed mid-request, a sync between two turns of a tool episode: each
+    token is its version's sample given its whole prefix, docs/async.md). Every rank runs one forward per earlier
+    version (FSDP2 collectives)."""
+    versions, sampled = batch["versions"], batch["response_mask"].bool()
     logps = batch["old_logprobs"].clone()
-    known = one_version == rollout_step
+    known = sampled & (versions == rollout_step)
     sub = select(batch, rows)
     width = sub["response_mask"].shape[1]
     for version in range(rollout_step - max_staleness, rollout_step):
@@ -77,7 +73,7 @@ def sampler_log_probs(
             continue
         with policies.serving(version):
             stale = score(sub)
-        hit = one_version[rows] == version
-        logps[rows][hit, :width] = stale[hit]  # a view of logps: written in place
-        known[rows] |= hit
-    return logps, batch["response_mask"].bool() & known[:, None]
+        hit = sampled[rows, :width] & (versions[rows, :width] == version)
+        logps[rows, :width][hit] = stale[hit]  # a view of logps: written in place
+        known[rows, :width] |= hit
+    return logps, known

@@ -26,7 +26,9 @@ import importlib
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -231,6 +233,20 @@ class Episode:
             self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
 
 
+@dataclass
+class PendingEpisodes:
+    """Episodes `ToolEngine.send` started on a server: their requests so far, turn by turn, as they leave."""
+
+    episodes: Future | None = None  # the episodes, once all have ended
+    turns: list = field(default_factory=list)  # each turn's `PendingGeneration` (a request of one episode, or a batch)
+    sent_at: float = field(default_factory=time.time)
+
+    @property
+    def times(self) -> list[tuple[float, float]]:
+        """(sent, answered) of every request of the episodes, in seconds since the epoch, once received."""
+        return [interval for turn in list(self.turns) for interval in turn.times]
+
+
 class ToolEngine:
     """A rollout engine whose `generate` runs whole tool-using episodes on the engine it wraps (either of
     `grpo.engines`); sync, generation phases and close are the wrapped engine's."""
@@ -265,20 +281,39 @@ class ToolEngine:
         On a server each episode's later turns are seeded from its first turn's seed (`turn_seed`), so the same
         episodes come back whether they run per turn or per episode."""
         if not self.sends:
-            return [self._sample(e) for e in self._turn_by_turn(prompt_ids, sampling, None, use_tqdm)]
+            return [self._sample(e) for e in self._turn_by_turn(prompt_ids, sampling, None, use_tqdm, [])]
+        return self.receive(self.send(prompt_ids, sampling))
+
+    def send(self, prompt_ids: list[list[int]], sampling) -> PendingEpisodes:
+        """Start the episodes on a server, now, on threads of their own; `receive` collects them. With
+        max_staleness >= 1 (`grpo.engines.rollout_queue`) they run while the trainer updates, and a sync can land
+        between two turns of an episode as between two decode steps: each turn is sampled by the versions served
+        while it runs (every token keeps its own), each its own request, checked as any request is."""
         seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()  # as the server engine draws them
         run = self._independently if self.per_episode else self._turn_by_turn
-        return [self._sample(e) for e in run(prompt_ids, sampling, seeds, use_tqdm)]
+        pending = PendingEpisodes()
+        (pending.episodes,) = start_in_daemon_threads(
+            [partial(run, prompt_ids, sampling, seeds, False, pending.turns)], 1
+        )
+        return pending
 
-    def _generate(self, histories: list[list[int]], sampling, seeds: list[int] | None, use_tqdm: bool = False):
+    def receive(self, pending: PendingEpisodes) -> list[Sample]:
+        """The episodes `send` started, once every one has ended; a turn's failure (the server gone) is raised."""
+        return [self._sample(e) for e in pending.episodes.result()]
+
+    def _generate(self, histories, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list) -> list[Sample]:
         if seeds is None:
             return self.engine.generate(histories, sampling, use_tqdm=use_tqdm)
-        return self.engine.receive(self.engine.send(histories, sampling, seeds=seeds))
+        pending = self.engine.send(histories, sampling, seeds=seeds)
+        turns.append(pending)  # the rollout's requests so far (other episodes' threads append theirs too)
+        return self.engine.receive(pending)
 
-    def _turn_by_turn(self, prompt_ids, sampling, seeds: list[int] | None, use_tqdm: bool) -> list[Episode]:
+    def _turn_by_turn(
+        self, prompt_ids, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list
+    ) -> list[Episode]:
         """Each turn waits for every episode of the rollout, then goes out as one batch."""
         episodes, continuing = [], []
-        for sample in self._generate(prompt_ids, sampling, seeds, use_tqdm):
+        for sample in self._generate(prompt_ids, sampling, seeds, use_tqdm, turns):
             episodes.append(Episode(sample.prompt_ids, sample.prompt_index, number=len(episodes)))
             if self._after_turn(episodes[-1], sample):
                 continuing.append(episodes[-1])
@@ -293,15 +328,16 @@ class ToolEngine:
             later = (
                 None if seeds is None else [turn_seed(seeds[e.prompt_index], e.number, rounds + 1) for e in continuing]
             )
-            turns = self._generate(histories, per_episode, later)
-            continuing = [e for e, s in zip(continuing, turns) if self._after_turn(e, s)]
+            samples = self._generate(histories, per_episode, later, False, turns)
+            continuing = [e for e, s in zip(continuing, samples) if self._after_turn(e, s)]
             rounds += 1
         return episodes
 
-    def _independently(self, prompt_ids, sampling, seeds: list[int], use_tqdm: bool) -> list[Episode]:
+    def _independently(self, prompt_ids, sampling, seeds: list[int], use_tqdm: bool, turns: list) -> list[Episode]:
         """Each episode on a thread of its own: its next turn is sent as soon as its own tools return, whatever the
         other episodes are doing (the tools of at most `tool_calling.max_concurrent` episodes run at once)."""
         first_turns = [self.engine.send([ids], sampling, seeds=[seed]) for ids, seed in zip(prompt_ids, seeds)]
+        turns += first_turns
         episodes: list[Episode | None] = [None] * (len(prompt_ids) * sampling.n)
 
         def prompt(index: int) -> None:
@@ -319,7 +355,7 @@ class ToolEngine:
                     break
                 turn = one_sample(sampling, self.max_completion_length - len(one.completion_ids))
                 history = one.prompt_ids + one.completion_ids
-                (sample,) = self._generate([history], turn, [turn_seed(seeds[index], number, rounds + 1)])
+                (sample,) = self._generate([history], turn, [turn_seed(seeds[index], number, rounds + 1)], False, turns)
                 going, rounds = self._after_turn(one, sample), rounds + 1
 
         for future in start_in_daemon_threads([partial(prompt, i) for i in range(len(prompt_ids))], len(prompt_ids)):

@@ -25,7 +25,7 @@ from recipe_runs import ROOT, launch, launch_command, launch_env, read_lines, re
 
 from grpo.config import ConfigError, load_config
 from grpo.engines.rollout_queue import union_seconds
-from grpo.policy_versions import PolicyVersions, completion_versions
+from grpo.policy_versions import PolicyVersions, sampler_log_probs
 
 CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
 
@@ -54,11 +54,38 @@ def test_union_seconds_counts_overlaps_once_and_clips_to_the_window():
     assert union_seconds([], 0, 1) == 0
 
 
-def test_completion_versions_and_policy_versions_swap_back():
-    versions = torch.tensor([[3, 3, 0], [2, 3, 3], [3, 3, 3]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
-    assert completion_versions(versions, mask).tolist() == [3, -1, 3]
+def test_the_fidelity_check_scores_each_token_by_the_version_that_sampled_it():
+    """Trainer step 3, max_staleness 1: version 3's tokens are scored by the old log-probs on every completion,
+    version 2's by a forward on version 2's factors in the first mini-batch (rows 0-2), also in a completion that
+    holds both (an update that landed in flight, a sync between two turns); version 0 is older than the bound's
+    window (never scored), and row 3's version-2 token lies outside the mini-batch (left out)."""
+    versions = torch.tensor([[3, 3, 0], [2, 3, 3], [2, 2, 2], [2, 3, 3]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    old = -torch.arange(1, 13, dtype=torch.float32).view(4, 3)
+    batch = dict(
+        versions=versions,
+        response_mask=mask,
+        old_logprobs=old,
+        attention_mask=torch.cat([torch.ones(4, 2, dtype=torch.long), mask], dim=1),
+        input_ids=torch.zeros(4, 5, dtype=torch.long),
+    )
+    policies = PolicyVersions(torch.nn.Linear(2, 2), keep=1)
+    policies.remember(2)
+    scored = []
 
+    def score(sub):  # version 2's log-probs of the mini-batch: -100, -101, ...
+        scored.append(sub["response_mask"].shape)
+        return -100 - torch.arange(sub["response_mask"].numel(), dtype=torch.float32).view_as(sub["response_mask"])
+
+    logps, known = sampler_log_probs(batch, slice(0, 3), policies, rollout_step=3, max_staleness=1, score=score)
+    assert scored == [torch.Size([3, 3])]
+    assert known.tolist() == [[True, True, False], [True, True, True], [True, True, True], [False, True, True]]
+    assert logps[1].tolist() == [-103.0, -5.0, -6.0]  # both versions of one completion, each its own
+    assert logps[2].tolist() == [-106.0, -107.0, -108.0] and logps[0, :2].tolist() == [-1.0, -2.0]
+    assert logps[3].tolist() == old[3].tolist()
+
+
+def test_policy_versions_swap_back():
     model = torch.nn.Linear(2, 2)
     model.bias.requires_grad_(False)
     policies = PolicyVersions(model, keep=1)

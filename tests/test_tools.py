@@ -352,3 +352,55 @@ def test_on_a_server_each_episode_sends_its_next_turn_when_its_own_tools_return(
     first = torch.randint(0, 2**31 - 1, (2,)).tolist()
     assert [seed for _, _, seed in sent[:2]] == first
     assert sorted(seed for _, _, seed in later) == sorted(turn_seed(first[e // 2], e, 2) for e in range(4))
+
+
+class VersionedEngine(SendingEngine):
+    """`SendingEngine` as a server that labels every token with the weight version it serves when the request
+    arrives (`version`, which a test's sync changes), each request's reply as vLLM's `receive` gives it."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.version = 1
+
+    def send(self, prompt_ids, sampling, seeds=None):
+        version = self.version  # on arrival (before it is recorded as sent)
+        samples = super().send(prompt_ids, sampling, seeds)
+        for sample in samples:
+            sample.versions = [version] * len(sample.completion_ids)
+        now = time.time()
+        return SimpleNamespace(samples=samples, futures=[], sent_at=now, times=[(now, now)] * len(prompt_ids))
+
+    def receive(self, pending):
+        return pending.samples
+
+
+@pytest.mark.parametrize("sync_between_turns", [True, False])
+@pytest.mark.parametrize("schedule", ["per_episode", "per_turn"])
+def test_a_sync_between_two_turns_labels_each_turn_with_the_version_that_sampled_it(
+    tokenizer, schedule, sync_between_turns
+):
+    """max_staleness >= 1: `send` starts the episodes and returns while their tools run; a sync landing then (the
+    server serves version 2) reaches every one of the 8 episodes between its turns. Each token keeps its version:
+    the first turn's and its tool tokens 1, the second turn's 2. The control, no sync, leaves every token at 1."""
+    cfg = SimpleNamespace(
+        tool_calling=ToolCallingSettings(schedule=schedule), max_tool_calling_iterations=None, max_completion_length=96
+    )
+    engine = ToolEngine(VersionedEngine(tokenizer), tokenizer, [wait_then_echo], cfg)
+    prompts = [prompt_ids(tokenizer, f"the slow one, number {i}") for i in range(4)]
+    pending = engine.send(prompts, Sampling(n=2, max_tokens=96))
+    deadline = time.monotonic() + 10
+    while sum(len(batch) for batch in engine.engine.sent) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.01)  # every first turn sent, on version 1; their tools now take 0.6 s
+    assert not pending.episodes.done()  # send returned with the episodes running
+    if sync_between_turns:
+        engine.engine.version = 2
+    samples = engine.receive(pending)
+    assert len(samples) == 8 and all(s.tool_calls == 1 for s in samples)
+    assert len(pending.times) == len(prompts) + 8  # every request of every turn, for the queue's busy time
+    second = 2 if sync_between_turns else 1
+    for sample in samples:
+        turns = torch.tensor(sample.turn_of_token)
+        versions = torch.tensor(sample.versions)
+        assert set(turns.tolist()) == {0, 1, 2}
+        assert (versions[turns == 1] == 1).all() and (versions[turns == 0] == 1).all()  # the tool tokens: turn 1's
+        assert (versions[turns == 2] == second).all()

@@ -52,7 +52,8 @@ class RolloutQueue:
     def take(self, rollout_step: int, use_tqdm: bool = False) -> tuple[list[Sample], dict]:
         """This rollout step's completions (the engine must serve version ``rollout_step``: its sync is done) and
         the queue's metrics (server mode): the trainer's wait, this process's server idle time, token staleness."""
-        if not hasattr(self.engine, "send"):  # the colocated engine generates in this process
+        # the colocated engine generates in this process (a ToolEngine sends as the engine it wraps does)
+        if not getattr(self.engine, "sends", hasattr(self.engine, "send")):
             return self.engine.generate(self.prompts_for(rollout_step), self.sampling, use_tqdm=use_tqdm), {}
         start = time.time()
         for step in range(rollout_step, min(rollout_step + self.max_staleness, self.last_step) + 1):
@@ -91,14 +92,16 @@ def receive_on_every_rank(engine, pending) -> list[Sample]:
 
 
 def request_intervals(pending, now: float) -> list[tuple[float, float]]:
-    """(sent, answered) of each request of ``pending`` that has been answered, (sent, now) of those in flight."""
+    """(sent, answered) of each request of ``pending`` that has been answered, (sent, now) of those in flight; of
+    tool episodes (`grpo.tools.PendingEpisodes`), every turn's requests sent so far."""
     intervals = []
-    for future in pending.futures:
-        if not future.done():
-            intervals.append((pending.sent_at, now))
-        elif future.exception() is None:
-            _, sent, answered = future.result()
-            intervals.append((sent, answered))
+    for part in list(getattr(pending, "turns", [pending])):
+        for future in part.futures:
+            if not future.done():
+                intervals.append((part.sent_at, now))
+            elif future.exception() is None:
+                _, sent, answered = future.result()
+                intervals.append((sent, answered))
     return intervals
 
 
