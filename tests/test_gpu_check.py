@@ -59,11 +59,13 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
         raise RuntimeError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(kit, "check_sync", broken)
+    for name in ("check_attention", "check_fp16"):  # the sections' own work runs in the test above
+        monkeypatch.setattr(kit, name, lambda *args, name=name: {"figure": name})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     out = tmp_path / "gpu_check.json"
     with pytest.raises(SystemExit, match="the section\\(s\\) sync failed"):
         kit.main(["--smoke", "--out", str(out)])
     report = json.loads(out.read_text())
     assert report["sync"] == {"error": "RuntimeError: CUDA out of memory (injected)"}
-    assert len(report["update"]["steps"]) == 2 and "per_sample" in report["attention"]
-    assert report["fp16"]["all_losses_finite"] and report["vllm_imported"] is False
+    assert len(report["update"]["steps"]) == 2  # the section before the failing one, measured
+    assert report["attention"] == {"figure": "check_attention"} and report["fp16"] == {"figure": "check_fp16"}
