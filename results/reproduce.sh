@@ -72,10 +72,15 @@ tools=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_tools.yaml out
 "${launch[@]}" "${tools[@]}" tool_calling.retokenize=true run_name=tiny-cpu-tools-retokenized
 serve_tiny float32 tiny-cpu-tools-server cache/tiny-qwen3-tools 192 32
 "${launch[@]}" "${tools[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 run_name=tiny-cpu-tools-server
+# asynchronous tool episodes (docs/tools.md): the server runs the next rollout steps' episodes during the update
+for staleness in 1 2; do
+  "${launch[@]}" "${tools[@]}" vllm.mode=server vllm.server_url=http://127.0.0.1:8391 max_staleness=$staleness \
+      run_name=tiny-cpu-tools-server-async$staleness
+done
 kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_tools.yaml --output_dir results
 .venv/bin/python recipes/plot_tools.py results/tiny-cpu-tools results/tiny-cpu-tools-retokenized \
-    results/tiny-cpu-tools-server --out results/grpo_tools.png
+    results/tiny-cpu-tools-server results/tiny-cpu-tools-server-async{1,2} --out results/grpo_tools.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \
