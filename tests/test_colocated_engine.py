@@ -84,3 +84,20 @@ def test_a_dropped_tensor_fails_the_push_by_name(engine_and_policy, dropped, nam
     with pytest.raises(WeightPushError, match=named.replace(".", r"\.")):
         engine.push_weights((name, t) for name, t in merged_lora_params(policy) if name != dropped)
     engine.sync_merged(policy)  # a complete push afterwards passes
+
+
+def test_on_the_cpu_the_sampled_tokens_ranks_are_counted_eagerly_as_vllm_counts_them(engine_and_policy):
+    """The engine's first request compiles nothing: vLLM's sampler counts the ranks with the eager function, which
+    is vLLM's own (its source function, uncompiled) on ties, above and below, whatever the batch."""
+    import vllm.v1.sample.ops.logprobs as logprobs_ops
+    import vllm.v1.sample.sampler as sampler
+
+    from grpo.engines.colocated import count_greater_than
+
+    assert sampler.batched_count_greater_than is count_greater_than
+    vllms = logprobs_ops.batched_count_greater_than._torchdynamo_orig_callable  # what torch.compile wraps
+    for rows in (1, 5):
+        x = torch.randn(rows, 50).round(decimals=1)  # ties
+        values = x[:, 7:8].clone()
+        assert torch.equal(count_greater_than(x, values), vllms(x, values))
+        assert count_greater_than(x, values).dtype == vllms(x, values).dtype

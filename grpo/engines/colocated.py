@@ -169,6 +169,22 @@ def in_process_vllm() -> None:
         )
 
 
+def count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``batched_count_greater_than`` (each sampled token's rank among the log-probs), run eagerly."""
+    return (x >= values).sum(-1)
+
+
+def eager_token_ranks_on_cpu() -> None:
+    """On the CPU, count the sampled tokens' ranks eagerly: vLLM compiles that count with torch.compile at the
+    first request for log-probs, ~2 s of tracing in every process that starts an engine, every run, for ranks the
+    recipe never reads. On a GPU its compiled kernel stays (the eager count materializes a [tokens, vocab] mask)."""
+    import vllm.v1.sample.sampler as sampler
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        sampler.batched_count_greater_than = count_greater_than
+
+
 class ColocatedEngine:
     """A vLLM ``LLM`` built for rollouts: it serves the policy merged (``merge=True``) or as a LoRA adapter.
 
@@ -189,6 +205,7 @@ class ColocatedEngine:
         from vllm import LLM
 
         in_process_vllm()
+        eager_token_ranks_on_cpu()
         self.merge = merge
         self.dtype = getattr(torch, llm_kwargs["dtype"])
         self.llm = LLM(**llm_kwargs)
