@@ -60,6 +60,17 @@ def rollout(engine: ServerEngine, prompts: list[list[int]], tool_ids: list[int],
     return sampled, time.perf_counter() - start, cached
 
 
+def tool_prompts(tokenizer, episodes: int) -> list[list[int]]:
+    """The tool task's first ``episodes`` prompts, as the recipe renders and tokenizes them (`grpo.data`)."""
+    texts = [
+        tokenizer.apply_chat_template(
+            prompt_messages(p["question"]), tools=TOOLS, tokenize=False, add_generation_prompt=True
+        )
+        for p in make_tool_problems(episodes, seed=1)
+    ]
+    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+
+
 def tool_response_ids(renderer: Renderer, tokens: int) -> list[int]:
     """A tool response of at least ``tokens`` tokens as the chat template renders it (numbers, as a tool that
     returns a table or a search result would)."""
@@ -120,14 +131,7 @@ def main() -> None:
             engines[arm] = ServerEngine(url, model)
             engines[arm].version = "1"  # the base model's weights, labelled: no sync is measured here
         tokenizer = engines[ARMS[0]].tokenizer
-        problems = make_tool_problems(args.episodes, seed=1)
-        texts = [
-            tokenizer.apply_chat_template(
-                prompt_messages(p["question"]), tools=TOOLS, tokenize=False, add_generation_prompt=True
-            )
-            for p in problems
-        ]  # as the recipe renders them (grpo.data.tokenize_prompts)
-        prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+        prompts = tool_prompts(tokenizer, args.episodes)
         tool_ids = tool_response_ids(Renderer(tokenizer, TOOLS), args.tool_response_tokens)
         runs = {turns: {arm: [] for arm in ARMS} for turns in TURNS}
         for repetition in range(args.repetitions + 1):  # the first is a warm-up, not counted
