@@ -111,3 +111,4 @@ kill $server; wait $server || true
 .venv/bin/python bench/bench_server.py --out results/bench_server.json
 # multi-turn rollouts with the server's prefix cache on and off (docs/tools.md)
 .venv/bin/python bench/bench_tool_cache.py --out results/bench_tool_cache.json
+.venv/bin/python bench/bench_tool_schedule.py --out results/bench_tool_schedule.json
