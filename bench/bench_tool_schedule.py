@@ -36,22 +36,28 @@ from pathlib import Path
 
 import requests
 import torch
-from bench_common import machine_info, serve, wait_until_up
-from bench_tool_cache import tool_prompts, tool_response_ids
+from bench_common import machine_info
+from bench_tool_cache import base_engine, serve_tool_model, tool_prompts, tool_response_ids
 
-from grpo.engines.server import ServerEngine
 from grpo.tiny_tools import TOOLS, build_tool_model
 from grpo.tools import Renderer, turn_seed
 
 ARMS = ("per_episode", "per_turn")
 
 
+def request_seed(seeds: list[int], episode: int, turn: int) -> int:
+    """A turn's request seed, whichever arm sends it: the episode's own first, then the recipe's `turn_seed`."""
+    return seeds[episode] if turn == 0 else turn_seed(seeds[episode], episode, turn + 1)
+
+
 def per_turn(engine, prompts, tool_ids, tool_s, sampling, seeds):
     """Each turn: every episode's request together, then the tools concurrently (the slowest one's time)."""
     histories, sampled = [list(p) for p in prompts], [[] for _ in prompts]
     for turn in range(len(tool_s[0])):
-        later = [seed if turn == 0 else turn_seed(seed, e, turn + 1) for e, seed in enumerate(seeds)]
-        for history, tokens, sample in zip(histories, sampled, engine.receive(engine.send(histories, sampling, later))):
+        turn_seeds = [request_seed(seeds, e, turn) for e in range(len(prompts))]
+        for history, tokens, sample in zip(
+            histories, sampled, engine.receive(engine.send(histories, sampling, turn_seeds))
+        ):
             tokens += sample.completion_ids
             history += sample.completion_ids + tool_ids
         if turn < len(tool_s[0]) - 1:
@@ -66,8 +72,7 @@ def per_episode(engine, prompts, tool_ids, tool_s, sampling, seeds):
     def episode(e: int) -> None:
         history = list(prompts[e])
         for turn in range(len(tool_s[e])):
-            seed = seeds[e] if turn == 0 else turn_seed(seeds[e], e, turn + 1)
-            (sample,) = engine.receive(engine.send([history], sampling, [seed]))
+            (sample,) = engine.receive(engine.send([history], sampling, [request_seed(seeds, e, turn)]))
             sampled[e] += sample.completion_ids
             history += sample.completion_ids + tool_ids
             if turn < len(tool_s[e]) - 1:
@@ -100,26 +105,14 @@ def main() -> None:
     torch.set_num_threads(1)
     model = build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
     log_path = Path(tempfile.mkdtemp(prefix="bench_tool_schedule-")) / "server.log"
-    proc, url = serve(
-        model,
-        log_path,
-        kv_cache_bytes=256 * 2**20,
-        max_num_seqs=args.episodes,
-        max_model_len=1024,
-        max_num_batched_tokens=args.episodes * 1024,
-        block_size=args.block_size,
-        core=args.server_core,
-    )
+    proc, url = serve_tool_model(model, log_path, args)
     from vllm import SamplingParams
 
     sampling = SamplingParams(n=1, temperature=1.0, max_tokens=args.turn_tokens, logprobs=0)
     runs = {arm: [] for arm in ARMS}
     engine = None
     try:
-        wait_until_up(proc, url, log_path)
-        requests.post(f"{url}/update_weight_version", json={"new_version": "1"}).raise_for_status()
-        engine = ServerEngine(url, model)
-        engine.version = "1"  # the base model's weights, labelled: no sync is measured here
+        engine = base_engine(proc, url, log_path, model)
         prompts = tool_prompts(engine.tokenizer, args.episodes)
         tool_ids = tool_response_ids(Renderer(engine.tokenizer, TOOLS), args.tool_response_tokens)
         for repetition in range(args.repetitions + 1):

@@ -350,8 +350,15 @@ def check_fp16(cfg, model_config, device: torch.device, steps: int) -> dict:
     )
 
 
+SECTIONS = ("update", "sync", "attention", "fp16")
+
+
+def failed_sections(report: dict) -> list[str]:
+    return [name for name in SECTIONS if "error" in report[name]]
+
+
 def table(report: dict) -> str:
-    failed = [name for name in ("update", "sync", "attention", "fp16") if "error" in report[name]]
+    failed = failed_sections(report)
     if failed:
         return "\n".join(f"{name}: FAILED {report[name]['error']}" for name in failed)
     u, s, a, f = report["update"], report["sync"], report["attention"], report["fp16"]
@@ -446,7 +453,7 @@ def main(argv=None) -> dict:
     section("vllm_imported", lambda: sys.modules.get("vllm") is not None)
     print(table(report))
     print(f"total {report['total_s']:.0f} s; vLLM imported: {report['vllm_imported']}")
-    failed = [name for name in ("update", "sync", "attention", "fp16") if "error" in report[name]]
+    failed = failed_sections(report)
     if failed:
         sys.exit(f"error: the section(s) {', '.join(failed)} failed (their errors are in the JSON and above)")
     return report

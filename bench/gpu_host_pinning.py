@@ -22,31 +22,33 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 from bench_common import write_report
 
+from grpo.config import load_config
 from grpo.qwen3_4b_shape import qwen3_4b_config
 
 GIB = 1024**3
+CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
 PIN_ALIGN = 512  # merge.lora_merge.base.PIN_ALIGN (that module imports vLLM, absent on the GPU kit's machine)
 
 
 def lora_target_shapes(model_config) -> dict[str, tuple[int, ...]]:
-    """The checkpoint tensors a lora_merge worker keeps pristine for the recipe's LoRA (all seven projections of
-    every decoder layer), as `merge.lora_merge.base.checkpoint_layout` finds them in the files."""
-    c = model_config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = {
-        "self_attn.q_proj.weight": (q, c.hidden_size),
-        "self_attn.k_proj.weight": (kv, c.hidden_size),
-        "self_attn.v_proj.weight": (kv, c.hidden_size),
-        "self_attn.o_proj.weight": (c.hidden_size, q),
-        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+    """The checkpoint tensors a lora_merge worker keeps pristine for the LoRA of recipes/configs/qwen3_4b_gsm8k.yaml
+    (its target modules in every decoder layer), in checkpoint order, as `merge.lora_merge.base.checkpoint_layout`
+    finds them in the files: read off the model built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    targets = set(load_config(CONFIG).lora.target_modules)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return {
+        name: tuple(param.shape)
+        for name, param in model.named_parameters()
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in targets
     }
-    return {f"model.layers.{i}.{n}": s for i in range(c.num_hidden_layers) for n, s in layer.items()}
 
 
 def seconds(fn, device: torch.device) -> float:

@@ -26,7 +26,6 @@ import importlib
 import json
 import re
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -239,7 +238,6 @@ class PendingEpisodes:
 
     episodes: Future | None = None  # the episodes, once all have ended
     turns: list = field(default_factory=list)  # each turn's `PendingGeneration` (a request of one episode, or a batch)
-    sent_at: float = field(default_factory=time.time)
 
     @property
     def times(self) -> list[tuple[float, float]]:
