@@ -65,7 +65,7 @@ def with_random_lora(
     autocast_adapter_dtype: bool = True,
     **lora,
 ) -> PeftModel:
-    """``model`` with a peft LoRA (alpha = 2 * rank) whose lora_B ~ N(0, lora_b_std^2): merging changes every target.
+    """``model`` with a peft LoRA (alpha = 2 * rank unless ``lora`` names it) whose lora_B ~ N(0, lora_b_std^2): merging changes every target.
 
     Seeded, so every process builds the same adapter. ``autocast_adapter_dtype`` is peft's: True (its default)
     makes fp32 LoRA weights on a bf16 base, False keeps the base's dtype.
@@ -73,7 +73,9 @@ def with_random_lora(
     torch.manual_seed(seed)
     model = get_peft_model(
         model,
-        LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, target_modules=targets, **lora),
+        LoraConfig(
+            task_type="CAUSAL_LM", r=rank, lora_alpha=lora.pop("lora_alpha", 2 * rank), target_modules=targets, **lora
+        ),
         autocast_adapter_dtype=autocast_adapter_dtype,
     )
     generator = torch.Generator().manual_seed(seed + 1)

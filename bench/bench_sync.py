@@ -14,8 +14,9 @@ each, every rank builds the same LoRA Qwen3 (``grpo/tiny_gsm8k.py``, non-zero lo
   merged_lora_params  ours, ``ColocatedEngine.sync_merged``: each decoder layer unshard() -> W + scaling*(B@A) out of
                       place -> reshard()
   plain_push          the floor: the same layer-by-layer unshard()/copy/reshard() walk, base weights
-                      unmerged (what any layer-wise sync of an FSDP2 model costs; differs from ours only
-                      in the merge arithmetic)
+                      unmerged (what any layer-wise sync of an FSDP2 model costs; differs from ours in the
+                      merge arithmetic, and in that ours starts the next layer's all-gather before it merges)
+  plain_push_prefetched  the floor with ours' overlap: the next layer's unshard(async_op=True) started first
   trl_merge_unmerge   TRL 1.16's colocate sync under FSDP2 + peft (trl/generation/vllm_generation.py,
                       ``_iter_named_params`` and ``_iter_fsdp2_params``): peft ``merge_adapter()`` in place on
                       the sharded model, ``full_tensor()`` per parameter under cleaned names, then
@@ -60,22 +61,34 @@ import torch.distributed as dist
 from bench_common import machine_info, merge_unmerge_drift, rss_peak_during, with_random_lora
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
-from sync_report import MIB, report
+from sync_report import MIB, paired, report
 
 from grpo.engines.colocated import ColocatedEngine
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params, normalize_peft_param_name
 from merge.trl import merged_lora_weights, push_merged_lora_to_llm
 
-METHODS = ["merged_lora_params", "plain_push", "trl_merge_unmerge", "full_state_dict", "trl_integration"]
+METHODS = [
+    "merged_lora_params",
+    "plain_push",
+    "plain_push_prefetched",
+    "trl_merge_unmerge",
+    "full_state_dict",
+    "trl_integration",
+]
+UNMERGED = ["plain_push", "plain_push_prefetched"]  # the base weights alone: must differ from ours
 MERGING = ["trl_merge_unmerge", "full_state_dict", "trl_integration"]  # must equal ours, tensor by tensor
 
 
 # ----------------------------------------------------------------------------- the four iterators
 @torch.no_grad()
-def plain_params(model: PeftModel, dtype: torch.dtype):
-    """The floor: merged_lora_params' walk (decoder layers one at a time, then the root) without the merge."""
-    for i, layer in enumerate(decoder_layers(model)):
+def plain_params(model: PeftModel, dtype: torch.dtype, prefetch: bool = False):
+    """The floor: merged_lora_params' walk (decoder layers one at a time, then the root) without the merge;
+    ``prefetch``: each step starts the next one's all-gather first, as merged_lora_params does."""
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
         layer.unshard()
+        if prefetch:
+            (layers[i + 1] if i + 1 < len(layers) else model).unshard(async_op=True)  # the next unshard() waits
         try:
             for name, param in layer.named_parameters():
                 if (base_name := normalize_peft_param_name(name)) is not None:
@@ -138,8 +151,8 @@ def full_state_dict_params(model: PeftModel, dtype: torch.dtype):
 def iterator(method: str, model: PeftModel, dtype: torch.dtype):
     if method == "merged_lora_params":
         return merged_lora_params(model, dtype=dtype)
-    if method == "plain_push":
-        return plain_params(model, dtype)
+    if method in UNMERGED:
+        return plain_params(model, dtype, prefetch=method == "plain_push_prefetched")
     if method == "trl_merge_unmerge":
         return trl_params(model)
     if method == "full_state_dict":
@@ -262,13 +275,15 @@ def check_and_time(args, model, engine: ColocatedEngine, consumers, dtype, say) 
         del before
     names = set(collected["merged_lora_params"])
     worst = {"merged_lora_params": 0.0}
-    for method in (*MERGING, "plain_push"):
+    for method in (*MERGING, *UNMERGED):
         got = collected[method]
         assert set(got) == names, f"{method} names differ from merged_lora_params: {sorted(set(got) ^ names)[:5]}"
         worst[method] = max((got[n] - collected["merged_lora_params"][n]).abs().max().item() for n in names)
     for method in MERGING:
         assert worst[method] <= 1e-6, f"{method} differs from merged_lora_params by {worst[method]}"
     assert worst["plain_push"] > 0, "the adapter should change the weights (lora_B is non-zero)"
+    plain, prefetched = collected["plain_push"], collected["plain_push_prefetched"]
+    assert all(torch.equal(plain[n], prefetched[n]) for n in names), "the prefetched walk yields other tensors"
     del collected
 
     prompts = [engine.tokenizer(format_prompt(p["question"])).input_ids for p in make_problems(4, seed=1)]
@@ -335,23 +350,34 @@ def check_and_time(args, model, engine: ColocatedEngine, consumers, dtype, say) 
 
 def time_precision_stats(args, model) -> dict:
     """What the merge-precision telemetry (`MergePrecisionStats`, on in the recipe when it merges below fp32) adds
-    to our iterator: merged_lora_params cast to bf16 and drained, with and without it, interleaved."""
-    seconds = {"without": [], "with": []}
+    to our iterator: merged_lora_params cast to bf16 and drained without it, with it (its default sample, every
+    ``ROW_STRIDE``-th row) and with it on every row, interleaved, the order rotated; and how far the sample's figures
+    are from every row's."""
+    modes = {"without": None, "with": MergePrecisionStats.ROW_STRIDE, "every_row": 1}
+    seconds, figures = {mode: [] for mode in modes}, {}
     for rep in range(args.reps):
-        for mode in ("without", "with") if rep % 2 == 0 else ("with", "without"):
-            stats = MergePrecisionStats() if mode == "with" else None
+        order = list(modes)[rep % len(modes) :] + list(modes)[: rep % len(modes)]
+        for mode in order:
+            stats = MergePrecisionStats(modes[mode]) if modes[mode] else None
             dist.barrier()
             t0 = time.perf_counter()
             for _ in merged_lora_params(model, dtype=torch.bfloat16, precision_stats=stats):
                 pass
             seconds[mode].append(reduce_max(time.perf_counter() - t0))
+            if stats is not None:
+                figures[mode] = stats.metrics()
     medians = {mode: statistics.median(values) for mode, values in seconds.items()}
     return dict(
         dtype="bfloat16",
+        row_stride=MergePrecisionStats.ROW_STRIDE,
         median_s_without=medians["without"],
         median_s_with=medians["with"],
-        with_over_without=medians["with"] / medians["without"],
-        metrics=stats.metrics(),
+        median_s_every_row=medians["every_row"],
+        with_over_without=paired(seconds["with"], seconds["without"]),
+        every_row_over_without=paired(seconds["every_row"], seconds["without"]),
+        metrics=figures["with"],
+        metrics_every_row=figures["every_row"],
+        metrics_sample_minus_every_row={k: figures["with"][k] - figures["every_row"][k] for k in figures["with"]},
         raw_s=seconds,
     )
 

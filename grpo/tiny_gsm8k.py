@@ -225,16 +225,36 @@ def _save_atomically(model, tokenizer, info: dict, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
-def cached_build(out_dir: Path, args: dict, build: bool, make) -> str:
+SHIPPED_MODELS = Path(__file__).resolve().parents[1] / "models"  # builds of the default arguments, committed
+
+
+def shipped_build(args: dict) -> Path | None:
+    """The folder under ``models/`` whose ``build_info.json`` holds ``args`` (what the build of those arguments wrote,
+    committed so that a fresh clone need not train it; tests/test_shipped_models.py rebuilds it), or None."""
+    folders = sorted(SHIPPED_MODELS.iterdir()) if SHIPPED_MODELS.is_dir() else []
+    return next((folder for folder in folders if _holds_build(folder, args)), None)
+
+
+def cached_build(out_dir: Path, args: dict, build: bool, make, from_scratch: bool = False) -> str:
     """``out_dir`` when its ``build_info.json`` holds ``args``; else, with ``build=False``, wait for another process
-    to build it (however long a build takes on a loaded machine); else ``make()`` -> (model, tokenizer, figures) on
-    every core (launchers set 1 thread per process; the build runs alone), written atomically with ``args``, the
-    figures and the build's seconds in ``build_info.json``."""
-    if _holds_build(out_dir, args):
+    to build it (however long a build takes on a loaded machine); else a copy of the shipped build of ``args``
+    (`shipped_build`) unless ``from_scratch``; else ``make()`` -> (model, tokenizer, figures) on every core
+    (launchers set 1 thread per process; the build runs alone), written atomically with ``args``, the figures, the
+    build's seconds and the CPU kind it ran on in ``build_info.json``."""
+    if _holds_build(out_dir, args) and not from_scratch:
         return str(out_dir)
     if not build:
         while not _holds_build(out_dir, args):
             time.sleep(1)
+        return str(out_dir)
+    shipped = None if from_scratch else shipped_build(args)
+    if shipped is not None:
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(shipped, tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+        print(f"{out_dir}: copied the shipped build {shipped.name} (trained afresh with --from-scratch)", flush=True)
         return str(out_dir)
     start, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -242,7 +262,12 @@ def cached_build(out_dir: Path, args: dict, build: bool, make) -> str:
         model, tokenizer, figures = make()
     finally:
         torch.set_num_threads(threads)
-    info = dict(args=args, **figures, build_seconds=round(time.perf_counter() - start, 1))
+    info = dict(
+        args=args,
+        **figures,
+        build_seconds=round(time.perf_counter() - start, 1),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+    )
     _save_atomically(model, tokenizer, info, out_dir)
     return str(out_dir)
 
@@ -256,14 +281,16 @@ def build_tiny_model(
     learning_rate: float = 3e-3,
     slip_rate: float = 0.6,
     build: bool = True,
+    from_scratch: bool = False,
 ) -> str:
     """Build (or reuse) the embedded default model in ``out_dir``; returns the path.
 
     A ``Qwen3ForCausalLM`` (tied embeddings, like Qwen3-4B; a ``Qwen3MoeForCausalLM`` for the MOE_SIZES) with
     the character tokenizer, warmed up with AdamW on the answer tokens of generated problems, a ``slip_rate``
     share of them slipping on their final line (see the module docstring). Cached: an
-    ``out_dir`` whose ``build_info.json`` has the same arguments is reused. Written atomically (temporary
-    sibling folder, then rename). ``build=False``: another process builds it; wait until it has.
+    ``out_dir`` whose ``build_info.json`` has the same arguments is reused; else the shipped build of these arguments
+    (``models/``) is copied, unless ``from_scratch``. Written atomically (temporary sibling folder, then rename).
+    ``build=False``: another process builds it; wait until it has.
     """
     if size not in SIZES and size not in MOE_SIZES:
         raise ValueError(f"size={size!r} is not one of {sorted(SIZES | MOE_SIZES)}")
@@ -302,7 +329,7 @@ def build_tiny_model(
         )
         return model, tokenizer, figures
 
-    return cached_build(out_dir, args, build, make)
+    return cached_build(out_dir, args, build, make, from_scratch)
 
 
 if __name__ == "__main__":
@@ -312,8 +339,14 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=600)
     parser.add_argument("--slip-rate", type=float, default=0.6, help="share of warm-up answers that end one too high")
+    parser.add_argument("--from-scratch", action="store_true", help="train it, even where a shipped build matches")
     cli = parser.parse_args()
     path = build_tiny_model(
-        cli.out, size=cli.size, seed=cli.seed, warmup_steps=cli.warmup_steps, slip_rate=cli.slip_rate
+        cli.out,
+        size=cli.size,
+        seed=cli.seed,
+        warmup_steps=cli.warmup_steps,
+        slip_rate=cli.slip_rate,
+        from_scratch=cli.from_scratch,
     )
     print(Path(path, "build_info.json").read_text())

@@ -356,14 +356,15 @@ def build_tool_model(
     tool_rate: float = 0.4,
     tool_only_steps: int = 200,
     build: bool = True,
+    from_scratch: bool = False,
 ) -> str:
     """Build (or reuse) the embedded tool-use model in ``out_dir``; returns the path.
 
     A ``Qwen3ForCausalLM`` of ``tiny_gsm8k``'s "tiny" size (tied embeddings) with a BPE tokenizer trained on the
     warm-up's own conversations, warmed up on them: a ``tool_rate`` share call the calculator (see the module
     docstring). ``build_info.json`` records the arguments and the held-out figures of episodes run with the tool,
-    sampled at temperature 1 and greedy. Cached, written atomically and waited for (``build=False``) as
-    ``tiny_gsm8k.build_tiny_model``.
+    sampled at temperature 1 and greedy. Cached, copied from the shipped build (``models/``), written atomically and
+    waited for (``build=False``) as ``tiny_gsm8k.build_tiny_model``.
     """
     out_dir = Path(out_dir)
     args = dict(
@@ -411,7 +412,7 @@ def build_tool_model(
         )
         return model, tokenizer, figures
 
-    return cached_build(Path(out_dir), args, build, make)
+    return cached_build(Path(out_dir), args, build, make, from_scratch)
 
 
 if __name__ == "__main__":
@@ -421,6 +422,7 @@ if __name__ == "__main__":
     parser.add_argument("--warmup-steps", type=int, default=480)
     parser.add_argument("--tool-only-steps", type=int, default=200, help="first warm-up steps that all call the tool")
     parser.add_argument("--tool-rate", type=float, default=0.4, help="share calling the tool after those")
+    parser.add_argument("--from-scratch", action="store_true", help="train it, even where a shipped build matches")
     cli = parser.parse_args()
     path = build_tool_model(
         cli.out,
@@ -428,5 +430,6 @@ if __name__ == "__main__":
         warmup_steps=cli.warmup_steps,
         tool_rate=cli.tool_rate,
         tool_only_steps=cli.tool_only_steps,
+        from_scratch=cli.from_scratch,
     )
     print(Path(path, "build_info.json").read_text())

@@ -4,9 +4,9 @@
 every decoder layer and on the root) and yields ``(name, tensor)`` pairs under the names a checkpoint of
 the base model has (what ``save_pretrained`` writes, what vLLM loads), with every LoRA delta folded in:
 ``W + scaling * (B @ A)``. Each decoder layer is ``unshard()``-ed, merged *out of place* and ``reshard()``-ed
-before the next one, so the extra memory is about one layer, and the trainer's parameters never change (no
-merge/unmerge drift, which in bf16 is not zero: peft's in-place merge then unmerge does not give back the
-same bits).
+while the next one's all-gather runs, so the extra memory is about two layers, and the trainer's parameters never
+change (no merge/unmerge drift, which in bf16 is not zero: peft's in-place merge then unmerge does not give back
+the same bits).
 
 Targets: LoRA on Linear and Embedding modules, and peft's LoRA on parameters (``target_parameters``, e.g.
 the fused MoE expert weights ``mlp.experts.gate_up_proj``). Tensors held fused in memory are split back
@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 from peft import PeftModel
-from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer, LoraModel, ParamWrapper
 from peft.utils import ModulesToSaveWrapper
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -121,8 +124,10 @@ def _full_precision_loras(
 
 
 @contextlib.contextmanager
-def _gathered(modules: list[torch.nn.Module], state: _MergeState):
-    """Unshard the FSDP2 groups among ``modules`` for the block (a collective: every rank enters, in step).
+def _gathered(modules: list[torch.nn.Module], state: _MergeState, prefetch: list[torch.nn.Module] = ()):
+    """Unshard the FSDP2 groups among ``modules`` for the block (a collective: every rank enters, in step), and start
+    unsharding those among ``prefetch`` (the walk's next step), so that its all-gather overlaps this step's merge and
+    push; the next step's ``unshard()`` waits for it.
 
     Under FSDP2 mixed precision the all-gather casts every parameter to ``param_dtype``, the LoRA factors
     included, while peft's merge of an unsharded model computes the delta from the factors in their own dtype
@@ -134,10 +139,18 @@ def _gathered(modules: list[torch.nn.Module], state: _MergeState):
     sharded = _sharded_factors(loras, state.adapter)  # before unshard(), which swaps the shards out of the modules
     for group in groups:
         group.unshard()
+    started = []
     try:
         state.unsharded = bool(groups)
         state.full_precision_loras = _full_precision_loras(loras, sharded, state.adapter)
+        started = [(m, m.unshard(async_op=True)) for m in prefetch if isinstance(m, FSDPModule)]
         yield
+    except BaseException:  # the walk ends here (an error, or the consumer stopped): nothing stays unsharded
+        for group, handle in started:
+            if handle is not None:
+                handle.wait()
+            group.reshard()
+        raise
     finally:
         state.unsharded = False
         state.full_precision_loras = {}
@@ -181,14 +194,45 @@ def _delta_fp32(lora: torch.nn.Module, adapter: str, delta: torch.Tensor) -> tor
     return view.get_delta_weight(adapter).float()
 
 
+def _linear_product(lora: torch.nn.Module, param: torch.Tensor, adapter: str) -> torch.Tensor | None:
+    """``B @ A``, a fresh tensor, for a plain peft LoRA ``Linear`` whose factors and weight share the dtype peft
+    computes its delta in (not fan_in_fan_out; not bf16/fp16 factors on CPU, which peft upcasts); None otherwise.
+    ``lora``: the LoRA layer or its full-precision view."""
+    if type(lora) is not LoraLinear or lora.fan_in_fan_out:
+        return None
+    a, b = lora.lora_A[adapter].weight, lora.lora_B[adapter].weight
+    if not a.dtype == b.dtype == param.dtype or (a.device.type == "cpu" and a.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    return b @ a
+
+
+def _add_scaled(weight: torch.Tensor, product: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``weight + product * scaling`` into ``product``'s own buffer, bit for bit peft's ``W + (B @ A) * scaling``: a
+    power-of-two scaling multiplies exactly, so one fused pass rounds once as peft's two do; any other scales, then
+    adds (``Δ + W`` is ``W + Δ``)."""
+    if math.frexp(scaling)[0] == 0.5:
+        return torch.add(weight, product, alpha=scaling, out=product)
+    return product.mul_(scaling).add_(weight)
+
+
 def _merged(param: torch.Tensor, lora: LoraLayer, state: _MergeState) -> torch.Tensor:
     """``param + delta`` out of place, with peft's own delta (its dtype rules), added as peft's merge adds it, then
-    cast to ``state.dtype``; accounted in ``state.stats`` if given."""
+    cast to ``state.dtype``; accounted in ``state.stats`` if given. A plain ``Linear``'s delta is computed here as peft
+    computes it, its product's buffer becoming the merged tensor (`_linear_product`): one allocation, not three."""
     lora = state.full_precision_loras.get(id(lora), lora)
+    stats = state.stats
+    product = _linear_product(lora, param, state.adapter)
+    if product is not None and (stats is None or product.dtype == torch.float32):
+        scaling = lora.scaling[state.adapter]
+        delta_rows = stats.sampled_rows(product).mul(scaling) if stats is not None else None  # before the add
+        merged = _cast(_add_scaled(param, product, scaling), state)
+        if stats is not None:
+            stats.add_sampled(stats.sampled_rows(param), delta_rows, stats.sampled_rows(merged))
+        return merged
     delta = lora.get_delta_weight(state.adapter)
     merged = _cast((param + delta).to(param.dtype), state)
-    if state.stats is not None:
-        state.stats.add(_cast(param, state), _delta_fp32(lora, state.adapter, delta), merged)
+    if stats is not None:
+        stats.add(param, _delta_fp32(lora, state.adapter, delta), merged)
     return merged
 
 
@@ -204,7 +248,7 @@ def _lora_layer_tensors(module: LoraLayer, prefix: str, state: _MergeState) -> I
         bias_delta = lora_b.bias * module.scaling[state.adapter]
         bias = (base_layer.bias + bias_delta).to(base_layer.bias.dtype if state.dtype is None else state.dtype)
         if state.stats is not None:
-            state.stats.add(base_layer.bias.to(bias.dtype), bias_delta, bias)
+            state.stats.add(base_layer.bias, bias_delta, bias)
         yield f"{prefix}.bias", bias
     elif getattr(base_layer, "bias", None) is not None:
         yield f"{prefix}.bias", _owned(base_layer.bias, state)
@@ -263,6 +307,30 @@ def _module_tensors(
             yield from _module_tensors(child, f"{dot}{name}", state, skip)
 
 
+def _modules_outside(module: torch.nn.Module, layers: torch.nn.ModuleList) -> Iterator[torch.nn.Module]:
+    """``module`` and its submodules, less the decoder layers' subtrees (the root's FSDP2 group and its tensors)."""
+    yield module
+    for child in module.children():
+        if child is not layers:
+            yield from _modules_outside(child, layers)
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (adapters, adapter, converted names)
+
+
+def _checked(model: PeftModel) -> tuple[str, set[str]]:
+    """`check_supported`'s adapter and `checkpoint_converted_names`, worked out once per model and set of adapters:
+    both visit every module (a few ms a sync on a small model), and neither changes while the adapters do not."""
+    key = None
+    if isinstance(model, PeftModel) and isinstance(model.base_model, LoraModel):
+        key = (tuple(model.base_model.active_adapters), tuple(model.peft_config))
+        if (cached := _CHECKED.get(model)) is not None and cached[0] == key:
+            return cached[1], cached[2]
+    adapter, converted = check_supported(model), checkpoint_converted_names(model)
+    _CHECKED[model] = (key, adapter, converted)
+    return adapter, converted
+
+
 @torch.no_grad()
 def merged_lora_params(
     model: PeftModel, dtype: torch.dtype | None = None, precision_stats: MergePrecisionStats | None = None
@@ -286,8 +354,9 @@ def merged_lora_params(
     and for experts fused in memory (``mlp.experts.gate_up_proj``) one tensor per expert and projection
     (``mlp.experts.0.gate_proj.weight``), split by transformers' own ``revert_weight_conversion``.
 
-    Under FSDP2 this is a collective: every rank must iterate to the end, in step. At most one decoder
-    layer is unsharded at a time. The merge is out of place: ``(W + delta).to(W.dtype)`` with peft's
+    Under FSDP2 this is a collective: every rank must iterate to the end, in step. At most two decoder
+    layers are unsharded at a time: the one merged and the next, whose all-gather is started before this one's tensors
+    are yielded (``unshard(async_op=True)``). The merge is out of place: ``(W + delta).to(W.dtype)`` with peft's
     ``get_delta_weight`` computed from the LoRA factors in their own dtype (under mixed precision they
     are gathered again at full precision, see ``_gathered``), as ``merge_and_unload()`` does on an unsharded
     copy; the trainer's parameters are never written.
@@ -298,16 +367,13 @@ def merged_lora_params(
     Without FSDP, weights the adapter does not touch are yielded as detached views of the trainer's
     parameters: load them before the next optimizer step.
     """
-    adapter = check_supported(model)
+    adapter, converted = _checked(model)
     base = model.get_base_model()
     layers = decoder_layers(model)
-    converted = checkpoint_converted_names(model)
     state = _MergeState(adapter=adapter, dtype=dtype, seen=set(), stats=precision_stats)
+    steps = [list(layer.modules()) for layer in layers] + [list(_modules_outside(model, layers))]
     for i, layer in enumerate(layers):
-        with _gathered(list(layer.modules()), state):
+        with _gathered(steps[i], state, prefetch=steps[i + 1]):
             yield from in_checkpoint_format(_module_tensors(layer, f"model.layers.{i}", state), base, converted)
-
-    layer_ids = {id(m) for layer in layers for m in layer.modules()}
-    outside = [m for m in model.modules() if id(m) not in layer_ids]
-    with _gathered(outside, state):
+    with _gathered(steps[-1], state):
         yield from in_checkpoint_format(_module_tensors(base, "", state, skip=layers), base, converted)

@@ -23,6 +23,12 @@ class MergePrecisionStats:
     the entries with ``Δ ≠ 0`` whose ``d`` is 0 (updates rounded away entirely). NaN where undefined (``Δ = 0``
     everywhere, e.g. peft's initial ``B = 0``).
 
+    Measured on a sample: every ``row_stride``-th row of each merged tensor (rows: the last dimension's vectors, so a
+    weight's output rows, each expert's rows of a fused expert tensor, every ``row_stride``-th entry of a bias), and
+    all of it with ``row_stride=1``. The figures are ratios of sums over those rows, estimates of the whole's; with
+    the default stride of 8 they cost a few percent of a sync instead of about a third (bench/bench_sync.py measures
+    both, and how far the sample's figures are from the whole's).
+
     Meant for a target dtype below fp32 (bf16/fp16 engines), though it measures whatever dtype is yielded (with fp32 it
     only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor, or per chunk of
     ``CPU_CHUNK`` elements on CPU, reduced in fp32 by ``torch.dot``, accumulated in float64) so that the merge never
@@ -33,20 +39,58 @@ class MergePrecisionStats:
 
     FIELDS = ("dot", "delta_sq", "err_sq", "nonzero", "zeroed")  # Σ⟨d,Δ⟩, Σ‖Δ‖², Σ‖d−Δ‖², #(Δ≠0), #(Δ≠0, d=0)
     CPU_CHUNK = 1 << 18  # elements (1 MiB in fp32)
+    ROW_STRIDE = 32
 
-    def __init__(self) -> None:
+    def __init__(self, row_stride: int = ROW_STRIDE) -> None:
+        if not isinstance(row_stride, int) or row_stride < 1:
+            raise ValueError(f"row_stride={row_stride!r}: measure every row_stride-th row, an int >= 1")
+        self.row_stride = row_stride
         self.sums: torch.Tensor | None = None  # float64 [len(FIELDS)], on the device of the first merged tensor
-        self.entries = 0  # entries of the merged tensors measured
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # sampled rows not yet summed
+        self.pending_entries = 0
+        self.entries = 0  # entries of the merged tensors measured (the sampled rows')
         self.tensors = 0  # merged tensors measured
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(self.row_stride)
+
+    def sampled_rows(self, tensor: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """The rows of ``tensor`` (viewed as rows of its last dimension) whose index, counted from ``first_row`` (where
+        ``tensor`` is a piece of a larger one), is a multiple of ``row_stride``; flat, and always a copy (the tensor
+        may be a buffer that FSDP2 frees or the merge overwrites)."""
+        cols = tensor.shape[-1] if tensor.dim() > 1 else 1
+        if self.row_stride == 1 or not tensor.is_contiguous():
+            rows = tensor.detach().reshape(-1, cols)[(-first_row) % self.row_stride :: self.row_stride]
+            return rows.flatten().clone() if self.row_stride == 1 else rows.flatten()
+        first, count = (-first_row) % self.row_stride, tensor.numel() // cols
+        sampled = (count - first + self.row_stride - 1) // self.row_stride
+        offset = tensor.storage_offset() + first * cols  # as_strided counts from the storage's start
+        return tensor.detach().as_strided((sampled, cols), (self.row_stride * cols, 1), offset).flatten()
 
     @torch.no_grad()
-    def add(self, base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> None:
-        """Account one merged tensor: ``base`` = cast(W) (the weight without the update, in the yielded dtype),
-        ``delta`` = Δ, ``merged`` = cast(W + Δ) (what is yielded)."""
-        base, delta, merged = (t.detach().reshape(-1) for t in (base, delta, merged))
+    def add(self, weight: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor, first_row: int = 0) -> None:
+        """Account one merged tensor (or the piece of one starting at row ``first_row``): ``weight`` = W (the weight
+        without the update, cast here to ``merged``'s dtype), ``delta`` = Δ, ``merged`` = cast(W + Δ) (what is
+        yielded); on the sampled rows only (`sampled_rows`)."""
+        self.add_sampled(*(self.sampled_rows(t, first_row) for t in (weight, delta, merged)))
+
+    @torch.no_grad()
+    def add_sampled(self, weight: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> None:
+        """`add` for rows already sampled (`sampled_rows` of each): a caller that merges in place samples Δ first.
+        The rows wait until ``CPU_CHUNK`` entries have come, then are summed together: a few operations per chunk
+        instead of a dozen per tensor (the small tensors' cost was those operations' own, not their arithmetic)."""
+        self.pending.append((weight.to(merged.dtype), delta, merged))
+        self.pending_entries += delta.numel()
+        self.entries += delta.numel()
+        self.tensors += 1
+        if self.pending_entries >= self.CPU_CHUNK:
+            self._sum_pending()
+
+    def _sum_pending(self) -> None:
+        if not self.pending:
+            return
+        base, delta, merged = (torch.cat(parts) for parts in zip(*self.pending))  # exact: cat only upcasts
+        self.pending, self.pending_entries = [], 0
         # on CPU in cache-sized chunks: each chunk's passes then read memory once (2.5x faster on a Qwen3-4B MLP
         # weight); on a GPU in one piece (few kernels, no chunk loop)
         step = max(1, self.CPU_CHUNK if delta.device.type == "cpu" else delta.numel())
@@ -58,8 +102,6 @@ class MergePrecisionStats:
         if self.sums is None:
             self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=row.device)
         self.sums += row.to(self.sums.device)
-        self.entries += delta.numel()
-        self.tensors += 1
 
     @staticmethod
     def _sums(base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
@@ -77,6 +119,7 @@ class MergePrecisionStats:
 
     def totals(self) -> dict[str, float]:
         """The raw float64 sums (``FIELDS``; zeros before any merged tensor), with ``entries`` and ``tensors``."""
+        self._sum_pending()
         values = [0.0] * len(self.FIELDS) if self.sums is None else self.sums.tolist()
         return {**dict(zip(self.FIELDS, values)), "entries": self.entries, "tensors": self.tensors}
 

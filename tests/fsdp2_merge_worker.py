@@ -60,9 +60,10 @@ def main():
         f"{extra / layer_bytes:.2f}x the largest decoder layer ({layer_bytes / 2**20:.1f} MiB); "
         f"unshard()+reshard() of that layer alone: {floor / 2**20:.1f} MiB = {floor / layer_bytes:.2f}x"
     )
-    # On gloo, FSDP2's all-gather itself needs ~2 layers (output + staging); the merge may add half a layer.
-    assert extra <= floor + 0.5 * layer_bytes, f"merge peak {extra} B > unshard peak {floor} B + 0.5 layer"
-    assert extra <= 2.5 * layer_bytes, f"merge peak {extra} B > 2.5x the largest layer ({layer_bytes} B)"
+    # On gloo, FSDP2's all-gather itself needs ~2 layers (output + staging); the next layer's all-gather, started
+    # before this one merges, adds a layer, and the merge half a layer.
+    assert extra <= floor + 1.5 * layer_bytes, f"merge peak {extra} B > unshard peak {floor} B + 1.5 layers"
+    assert extra <= 3.5 * layer_bytes, f"merge peak {extra} B > 3.5x the largest layer ({layer_bytes} B)"
 
     # training still works after the merge (every group resharded properly)
     model(input_ids=ids, labels=ids).loss.backward()

@@ -46,6 +46,29 @@ def test_matches_merge_and_unload(dtype):
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize(
+    "dtype, lora",
+    [
+        (torch.float32, dict(lora_alpha=12)),  # scaling 1.5: scaled, then added
+        (torch.float32, dict(lora_alpha=8, use_rslora=True)),  # 8 / sqrt(8)
+        (torch.bfloat16, dict(lora_alpha=12, autocast_adapter_dtype=False)),  # bf16 factors: peft's own delta
+        (torch.float32, dict(lora_alpha=4)),  # scaling 0.5: one fused pass
+    ],
+)
+def test_bit_for_bit_merge_and_unload_at_any_scaling(dtype, lora):
+    """The in-place merge of a Linear (`_linear_product`, `_add_scaled`) rounds as peft's merge does, whatever the
+    scaling; the control: the fused pass at a scaling that is not a power of two does not."""
+    model = tiny_lora(dtype=dtype, **lora)
+    expected = reference_state(model)
+    got = dict(merged_lora_params(model))
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in got.items())
+    scaling = next(m.scaling["default"] for m in lora_layers(model))
+    if math.frexp(scaling)[0] != 0.5 and dtype == torch.float32:
+        layer = lora_layers(model)[0]
+        a, b, w = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.get_base_layer().weight
+        assert not torch.equal(torch.add(w, b @ a, alpha=scaling), w + (b @ a) * scaling)
+
+
 def test_order_is_layer_by_layer_then_root():
     names = [n for n, _ in merged_lora_params(tiny_lora(layers=3))]
     layer_of = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
@@ -126,21 +149,27 @@ def test_fsdp2_two_processes():
     torchrun("fsdp2_merge_worker.py", ok_marker="FSDP2 MERGE OK", MALLOC_MMAP_THRESHOLD_="65536")
 
 
-def merged_with_stats(model, dtype=torch.bfloat16) -> tuple[dict[str, torch.Tensor], MergePrecisionStats]:
-    stats = MergePrecisionStats()
+def merged_with_stats(
+    model, dtype=torch.bfloat16, row_stride: int = 1
+) -> tuple[dict[str, torch.Tensor], MergePrecisionStats]:
+    stats = MergePrecisionStats(row_stride)
     return dict(merged_lora_params(model, dtype=dtype, precision_stats=stats)), stats
 
 
 @pytest.mark.parametrize(
-    "model_dtype, adapter_autocast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
-)  # bf16 factors: Δ recomputed in fp32
-def test_precision_stats_leave_the_output_alone_and_match_a_direct_computation(model_dtype, adapter_autocast):
+    "model_dtype, adapter_autocast, row_stride",
+    [(torch.float32, True, 1), (torch.bfloat16, True, 1), (torch.bfloat16, False, 1), (torch.float32, True, 8)],
+)  # bf16 factors: Δ recomputed in fp32; row_stride 8: the default sample, every 8th row
+def test_precision_stats_leave_the_output_alone_and_match_a_direct_computation(
+    model_dtype, adapter_autocast, row_stride
+):
     model = tiny_lora(dtype=model_dtype, autocast_adapter_dtype=adapter_autocast)
-    with_stats, stats = merged_with_stats(model)
+    with_stats, stats = merged_with_stats(model, row_stride=row_stride)
     without = dict(merged_lora_params(model, dtype=torch.bfloat16))
     assert with_stats.keys() == without.keys() and all(torch.equal(with_stats[n], without[n]) for n in without)
-    # the same figures, computed directly from every LoRA layer of the model
+    # the same figures, computed directly from every LoRA layer of the model, on every row_stride-th row
     dot = delta_sq = err_sq = nonzero = zeroed = entries = 0.0
+    whole = dict(dot=0.0, delta_sq=0.0)
     for module in model.modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
             weight = module.get_base_layer().weight
@@ -148,6 +177,9 @@ def test_precision_stats_leave_the_output_alone_and_match_a_direct_computation(m
             delta = b @ a * module.scaling["default"]  # Δ in fp32; the merge adds peft's (bf16 from bf16 factors)
             merged = (weight + module.get_delta_weight("default")).to(weight.dtype).to(torch.bfloat16)
             moved = merged.float() - weight.bfloat16().float()
+            whole["dot"] += (moved * delta).double().sum().item()
+            whole["delta_sq"] += (delta * delta).double().sum().item()
+            moved, delta = moved[::row_stride], delta[::row_stride]
             dot += (moved * delta).double().sum().item()
             delta_sq += (delta * delta).double().sum().item()
             err_sq += ((moved - delta) ** 2).double().sum().item()
@@ -160,6 +192,29 @@ def test_precision_stats_leave_the_output_alone_and_match_a_direct_computation(m
     assert got["sync_delta_rel_err"] == pytest.approx(math.sqrt(err_sq / delta_sq), rel=1e-5)
     assert got["sync_delta_zeroed"] == zeroed / nonzero
     assert 0.99 < got["sync_delta_kept"] < 1 and 0 < got["sync_delta_rel_err"] < 0.01
+    if row_stride > 1:  # the sample: an eighth of the entries, its figure close to the whole's
+        assert stats.entries * 8 == sum(m.get_base_layer().weight.numel() for m in lora_layers(model))
+        assert got["sync_delta_kept"] == pytest.approx(whole["dot"] / whole["delta_sq"], abs=1e-3)
+
+
+def lora_layers(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+
+
+def test_precision_stats_sample_the_rows_of_each_piece_by_their_place_in_the_whole():
+    """A tensor merged in pieces (the server merges in chunks of rows) samples the rows the whole tensor would."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 16, generator=generator).bfloat16()
+    delta = torch.randn(37, 16, generator=generator) * 1e-2
+    merged = (weight.float() + delta).bfloat16()
+    whole, pieces = MergePrecisionStats(8), MergePrecisionStats(8)
+    whole.add(weight, delta, merged)
+    for start in range(0, 37, 10):
+        pieces.add(weight[start : start + 10], delta[start : start + 10], merged[start : start + 10], first_row=start)
+    assert whole.entries == pieces.entries == 5 * 16  # rows 0, 8, 16, 24, 32
+    assert pieces.totals() == pytest.approx(whole.totals() | {"tensors": 4}, rel=1e-6)
+    with pytest.raises(ValueError, match="row_stride=0"):
+        MergePrecisionStats(0)
 
 
 def grid_case(model_dtype, delta: float, adapter_autocast: bool = True):
@@ -203,7 +258,7 @@ def test_precision_stats_undefined_without_an_update_and_accumulate_until_reset(
     _, stats = merged_with_stats(model)
     assert all(math.isnan(v) for v in stats.metrics().values()) and stats.entries == 2 * 64 * 64
     _, once = merged_with_stats(tiny_lora())
-    twice = MergePrecisionStats()
+    twice = MergePrecisionStats(1)
     for _ in range(2):
         dict(merged_lora_params(tiny_lora(), dtype=torch.bfloat16, precision_stats=twice))
     assert twice.entries == 2 * once.entries and twice.metrics() == pytest.approx(once.metrics())

@@ -180,7 +180,8 @@ def test_the_chunked_merge_of_a_shard_is_that_slice_of_the_whole_merge(monkeypat
         outside = full.clone()
         outside.narrow(dim, start, size).zero_()
         assert not outside.any()  # the loader's tensor: zeros outside the shard
-        assert stats.tensors == 1 and stats.entries == kept.numel()
+        rows, cols = kept.shape  # the statistics sample every 8th row of the tensor, whatever the chunks
+        assert stats.tensors == 1 and stats.entries == len(range(0, rows, stats.row_stride)) * cols
         if shard.dim is not None:  # the control: another slice of the merge differs
             other = whole.narrow(dim, (start + size) % whole.shape[dim], size)
             assert not torch.allclose(kept, other, atol=1e-3)

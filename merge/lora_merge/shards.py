@@ -204,7 +204,7 @@ def merge_into(out, base, b, a, scale: float, transpose: bool, shard: Shard, sta
         chunk = base[i : i + step].to(out.device)
         merged = (chunk.float() + delta).to(out.dtype)
         if stats is not None:
-            stats.add(chunk.to(out.dtype), delta, merged)
+            stats.add(chunk, delta, merged, first_row=i)
         out[i : i + step].copy_(merged)
     if stats is not None:
         stats.tensors = tensors + 1  # one tensor, however many chunks
