@@ -55,7 +55,7 @@ class _MergeState:
     unsharded: bool = False  # the group was all-gathered: hand out copies, never views of FSDP's buffer
     # id(LoRA layer) -> a view of it whose factors are full precision, for layers whose factors the all-gather rounded
     full_precision_loras: dict[int, torch.nn.Module] = field(default_factory=dict)
-    stats: MergePrecisionStats | None = None  # opt-in precision telemetry of every merged tensor
+    stats: MergePrecisionStats | None = None  # opt-in precision telemetry of the merged tensors (a sample of rows)
 
 
 def _factor_params(lora: LoraLayer, adapter: str) -> Iterator[tuple[torch.nn.Module, str]]:
