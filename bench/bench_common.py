@@ -65,7 +65,8 @@ def with_random_lora(
     autocast_adapter_dtype: bool = True,
     **lora,
 ) -> PeftModel:
-    """``model`` with a peft LoRA (alpha = 2 * rank unless ``lora`` names it) whose lora_B ~ N(0, lora_b_std^2): merging changes every target.
+    """``model`` with a peft LoRA (alpha = 2 * rank unless ``lora`` names it) whose lora_B ~ N(0, lora_b_std^2):
+    merging changes every target.
 
     Seeded, so every process builds the same adapter. ``autocast_adapter_dtype`` is peft's: True (its default)
     makes fp32 LoRA weights on a bf16 base, False keeps the base's dtype.
