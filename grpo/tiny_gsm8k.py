@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.provenance import cpu_kind
 from grpo.rewards import gsm8k_exact_answer_reward
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea", "Max", "Nia"]
@@ -240,7 +241,7 @@ def cached_build(out_dir: Path, args: dict, build: bool, make, from_scratch: boo
     to build it (however long a build takes on a loaded machine); else a copy of the shipped build of ``args``
     (`shipped_build`) unless ``from_scratch``; else ``make()`` -> (model, tokenizer, figures) on every core
     (launchers set 1 thread per process; the build runs alone), written atomically with ``args``, the figures, the
-    build's seconds and the CPU kind it ran on in ``build_info.json``."""
+    build's seconds and the CPU it ran on (`grpo.provenance.cpu_kind`) in ``build_info.json``."""
     if _holds_build(out_dir, args) and not from_scratch:
         return str(out_dir)
     if not build:
@@ -262,12 +263,7 @@ def cached_build(out_dir: Path, args: dict, build: bool, make, from_scratch: boo
         model, tokenizer, figures = make()
     finally:
         torch.set_num_threads(threads)
-    info = dict(
-        args=args,
-        **figures,
-        build_seconds=round(time.perf_counter() - start, 1),
-        cpu_capability=torch.backends.cpu.get_cpu_capability(),
-    )
+    info = dict(args=args, **figures, build_seconds=round(time.perf_counter() - start, 1), **cpu_kind())
     _save_atomically(model, tokenizer, info, out_dir)
     return str(out_dir)
 

@@ -1,8 +1,8 @@
 """The shipped builds (``models/``): a fresh clone copies them instead of training, and the build still makes them.
 
-On the CPU kind a shipped build was made on (``build_info.json``'s ``cpu_capability``) the build reproduces it bit
-for bit; on another kind, whose kernels round differently, within ``OTHER_KIND_TOLERANCE`` (docs/reproducibility.md
-says how it was measured).
+On the CPU a shipped build was made on (``build_info.json``'s ``cpu`` and ``cpu_capability``: the model name and the
+kernels torch dispatches to) the build reproduces it bit for bit; on another kind, whose kernels round differently,
+within ``OTHER_KIND_TOLERANCE`` (models/README.md says how it was measured).
 """
 
 import json
@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grpo.provenance import cpu_kind
 from grpo.tiny_gsm8k import SHIPPED_MODELS, build_tiny_model
 from grpo.tiny_tools import build_tool_model
 
@@ -66,7 +67,8 @@ def test_the_build_reproduces_the_shipped_model(tmp_path, name):
     assert sorted(got) == sorted(want)
     figures = [k for k, v in info.items() if isinstance(v, float) and k != "build_seconds"]
     assert "final_loss" in figures and len(figures) >= 3, figures
-    if torch.backends.cpu.get_cpu_capability() == info["cpu_capability"]:
+    here = cpu_kind()
+    if (here["cpu"], here["cpu_capability"]) == (info["cpu"], info["cpu_capability"]):
         for key in want:
             assert torch.equal(got[key], want[key]), key
         assert {k: built[k] for k in figures} == {k: info[k] for k in figures}
