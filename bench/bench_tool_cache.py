@@ -60,6 +60,29 @@ def rollout(engine: ServerEngine, prompts: list[list[int]], tool_ids: list[int],
     return sampled, time.perf_counter() - start, cached
 
 
+def tool_bench_parser(doc: str, out: str) -> argparse.ArgumentParser:
+    """The flags the tool benchmarks share: the tool model's cache, the episodes, their turns' sizes, the server's
+    KV block and the pinned cores."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--cache", default="cache", help="where the tool model is built if missing")
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--episodes", type=int, default=16)
+    parser.add_argument("--turn-tokens", type=int, default=32, help="at most, per turn and episode")
+    parser.add_argument("--tool-response-tokens", type=int, default=80, help="at least, per tool response")
+    parser.add_argument("--block-size", type=int, default=32, help="the servers' KV block (CPU default: 128)")
+    parser.add_argument("--server-core", type=int, default=1)
+    parser.add_argument("--client-core", type=int, default=0)
+    return parser
+
+
+def pinned_tool_model(args: argparse.Namespace) -> str:
+    """This process (the client) on ``args.client_core`` with one thread; the tool model's folder (built if missing)."""
+    os.sched_setaffinity(0, {args.client_core})
+    torch.set_num_threads(1)
+    return build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+
+
 def serve_tool_model(model: str, log_path: Path, args: argparse.Namespace, prefix_caching: bool = True):
     """`bench_common.serve` of the tool model sized for ``args.episodes`` episodes on ``args.server_core``."""
     return serve(
@@ -120,21 +143,8 @@ def summary(arms: dict[str, list[dict]]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/bench_tool_cache.json")
-    parser.add_argument("--cache", default="cache", help="where the tool model is built if missing")
-    parser.add_argument("--repetitions", type=int, default=5)
-    parser.add_argument("--episodes", type=int, default=16)
-    parser.add_argument("--turn-tokens", type=int, default=32, help="at most, per turn and episode")
-    parser.add_argument("--tool-response-tokens", type=int, default=80, help="at least, per tool response")
-    parser.add_argument("--block-size", type=int, default=32, help="the servers' KV block (CPU default: 128)")
-    parser.add_argument("--server-core", type=int, default=1)
-    parser.add_argument("--client-core", type=int, default=0)
-    args = parser.parse_args()
-
-    os.sched_setaffinity(0, {args.client_core})
-    torch.set_num_threads(1)
-    model = build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+    args = tool_bench_parser(__doc__, "results/bench_tool_cache.json").parse_args()
+    model = pinned_tool_model(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_tool_cache-"))  # the servers' logs
     servers = {
         arm: serve_tool_model(model, log_dir / f"{arm}.log", args, prefix_caching=arm == "prefix_cache") for arm in ARMS

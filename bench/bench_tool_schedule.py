@@ -24,10 +24,8 @@ median and spread over repetitions; the first repetition is a warm-up, not count
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import os
 import statistics
 import tempfile
 import threading
@@ -37,9 +35,16 @@ from pathlib import Path
 import requests
 import torch
 from bench_common import machine_info
-from bench_tool_cache import base_engine, serve_tool_model, tool_prompts, tool_response_ids
+from bench_tool_cache import (
+    base_engine,
+    pinned_tool_model,
+    serve_tool_model,
+    tool_bench_parser,
+    tool_prompts,
+    tool_response_ids,
+)
 
-from grpo.tiny_tools import TOOLS, build_tool_model
+from grpo.tiny_tools import TOOLS
 from grpo.tools import Renderer, turn_seed
 
 ARMS = ("per_episode", "per_turn")
@@ -87,23 +92,11 @@ def per_episode(engine, prompts, tool_ids, tool_s, sampling, seeds):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/bench_tool_schedule.json")
-    parser.add_argument("--cache", default="cache", help="where the tool model is built if missing")
-    parser.add_argument("--repetitions", type=int, default=5)
-    parser.add_argument("--episodes", type=int, default=16)
+    parser = tool_bench_parser(__doc__, "results/bench_tool_schedule.json")
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--turn-tokens", type=int, default=32, help="at most, per turn and episode")
-    parser.add_argument("--tool-response-tokens", type=int, default=80, help="at least, per tool response")
     parser.add_argument("--tool-mean-s", type=float, default=0.2, help="the tools' mean time (exponential)")
-    parser.add_argument("--block-size", type=int, default=32, help="the server's KV block (CPU default: 128)")
-    parser.add_argument("--server-core", type=int, default=1)
-    parser.add_argument("--client-core", type=int, default=0)
     args = parser.parse_args()
-
-    os.sched_setaffinity(0, {args.client_core})
-    torch.set_num_threads(1)
-    model = build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+    model = pinned_tool_model(args)
     log_path = Path(tempfile.mkdtemp(prefix="bench_tool_schedule-")) / "server.log"
     proc, url = serve_tool_model(model, log_path, args)
     from vllm import SamplingParams
