@@ -58,14 +58,9 @@ class MergePrecisionStats:
         """The rows of ``tensor`` (viewed as rows of its last dimension) whose index, counted from ``first_row`` (where
         ``tensor`` is a piece of a larger one), is a multiple of ``row_stride``; flat, and always a copy (the tensor
         may be a buffer that FSDP2 frees or the merge overwrites)."""
-        cols = tensor.shape[-1] if tensor.dim() > 1 else 1
-        if self.row_stride == 1 or not tensor.is_contiguous():
-            rows = tensor.detach().reshape(-1, cols)[(-first_row) % self.row_stride :: self.row_stride]
-            return rows.flatten().clone() if self.row_stride == 1 else rows.flatten()
-        first, count = (-first_row) % self.row_stride, tensor.numel() // cols
-        sampled = (count - first + self.row_stride - 1) // self.row_stride
-        offset = tensor.storage_offset() + first * cols  # as_strided counts from the storage's start
-        return tensor.detach().as_strided((sampled, cols), (self.row_stride * cols, 1), offset).flatten()
+        rows = tensor.detach().reshape(-1, tensor.shape[-1] if tensor.dim() > 1 else 1)
+        # clone before flattening: a single sampled row, or a 1-D tensor's, would flatten to a view
+        return rows[(-first_row) % self.row_stride :: self.row_stride].clone().flatten()
 
     @torch.no_grad()
     def add(self, weight: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor, first_row: int = 0) -> None:

@@ -215,6 +215,9 @@ def test_precision_stats_sample_the_rows_of_each_piece_by_their_place_in_the_who
     assert pieces.totals() == pytest.approx(whole.totals() | {"tensors": 4}, rel=1e-6)
     with pytest.raises(ValueError, match="row_stride=0"):
         MergePrecisionStats(0)
+    for tensor in (weight[:5], weight[:, 0], weight):  # one sampled row; a 1-D tensor; every 8th row
+        sampled = MergePrecisionStats(8).sampled_rows(tensor)
+        assert sampled.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()  # never a view
 
 
 def grid_case(model_dtype, delta: float, adapter_autocast: bool = True):
