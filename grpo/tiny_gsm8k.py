@@ -208,22 +208,29 @@ def _warm_up(model, tokenizer, train: list[dict], *, steps: int, batch_size: int
     return loss
 
 
-def _save_atomically(model, tokenizer, info: dict, out_dir: Path) -> None:
-    """Write the model, its tokenizer (left padding) and ``build_info.json`` to a temporary sibling folder, then
-    rename it to ``out_dir``."""
-    from transformers import GenerationConfig
-
+def _write_atomically(out_dir: Path, write) -> None:
+    """``write(folder)`` into a temporary sibling folder, then rename it to ``out_dir`` (replacing what was there)."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+
+
+def _save_atomically(model, tokenizer, info: dict, out_dir: Path) -> None:
+    """Write the model, its tokenizer (left padding) and ``build_info.json`` to ``out_dir``, atomically."""
+    from transformers import GenerationConfig
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "build_info.json").write_text(json.dumps(info, indent=2))
+
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    model.save_pretrained(tmp)
     tokenizer.padding_side = "left"
-    tokenizer.save_pretrained(tmp)
-    (tmp / "build_info.json").write_text(json.dumps(info, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    _write_atomically(out_dir, write)
 
 
 SHIPPED_MODELS = Path(__file__).resolve().parents[1] / "models"  # builds of the default arguments, committed
@@ -250,11 +257,7 @@ def cached_build(out_dir: Path, args: dict, build: bool, make, from_scratch: boo
         return str(out_dir)
     shipped = None if from_scratch else shipped_build(args)
     if shipped is not None:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(shipped, tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
+        _write_atomically(out_dir, lambda folder: shutil.copytree(shipped, folder))
         print(f"{out_dir}: copied the shipped build {shipped.name} (trained afresh with --from-scratch)", flush=True)
         return str(out_dir)
     start, threads = time.perf_counter(), torch.get_num_threads()
