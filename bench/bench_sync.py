@@ -11,11 +11,11 @@ each, every rank builds the same LoRA Qwen3 (``grpo/tiny_gsm8k.py``, non-zero lo
 ``ColocatedEngine`` (in-process vLLM, one per rank). Every method ends in the engine's push,
 ``ColocatedEngine.push_weights`` (``collective_rpc("reload_weights", ...)``); ours is the recipe's sync itself:
 
-  merged_lora_params  ours, ``ColocatedEngine.sync_merged``: each decoder layer unshard() -> W + scaling*(B@A) out of
-                      place -> reshard()
-  plain_push          the floor: the same layer-by-layer unshard()/copy/reshard() walk, base weights
-                      unmerged (what any layer-wise sync of an FSDP2 model costs; differs from ours in the
-                      merge arithmetic, and in that ours starts the next layer's all-gather before it merges)
+  merged_lora_params  ours, ``ColocatedEngine.sync_merged``: per decoder layer, each rank merges its own rows
+                      W[k] + scaling*(B[k]@A) out of place, then the merged rows are all-gathered
+                      (``merge.row_merge``), the next layer's started before this one is pushed
+  plain_push          the floor: a layer-by-layer unshard()/copy/reshard() walk, base weights unmerged (what
+                      any layer-wise sync of an FSDP2 model costs)
   plain_push_prefetched  the floor with ours' overlap: the next layer's unshard(async_op=True) started first
   trl_merge_unmerge   TRL 1.16's colocate sync under FSDP2 + peft (trl/generation/vllm_generation.py,
                       ``_iter_named_params`` and ``_iter_fsdp2_params``): peft ``merge_adapter()`` in place on

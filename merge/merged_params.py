@@ -3,10 +3,11 @@
 ``merged_lora_params(model)`` walks a peft LoRA model (plain, or FSDP2-sharded with ``fully_shard`` on
 every decoder layer and on the root) and yields ``(name, tensor)`` pairs under the names a checkpoint of
 the base model has (what ``save_pretrained`` writes, what vLLM loads), with every LoRA delta folded in:
-``W + scaling * (B @ A)``. Each decoder layer is ``unshard()``-ed, merged *out of place* and ``reshard()``-ed
-while the next one's all-gather runs, so the extra memory is about two layers, and the trainer's parameters never
-change (no merge/unmerge drift, which in bf16 is not zero: peft's in-place merge then unmerge does not give back
-the same bits).
+``W + scaling * (B @ A)``, *out of place*, so the trainer's parameters never change (no merge/unmerge drift, which in
+bf16 is not zero: peft's in-place merge then unmerge does not give back the same bits). Under FSDP2 each rank merges
+its own rows of a decoder layer and the merged rows are all-gathered (`merge.row_merge`); a layer with other LoRA
+kinds is ``unshard()``-ed whole, merged and ``reshard()``-ed. Either way the next layer's all-gather runs while this
+one is handed out, so the extra memory is about two layers.
 
 Targets: LoRA on Linear and Embedding modules, and peft's LoRA on parameters (``target_parameters``, e.g.
 the fused MoE expert weights ``mlp.experts.gate_up_proj``). Tensors held fused in memory are split back
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from merge.layers import check_supported, checkpoint_converted_names, decoder_layers, in_checkpoint_format
 from merge.precision import MergePrecisionStats
+from merge.row_merge import RowGather, gather_factors, gather_rows, layer_rows
 
 __all__ = ["merged_lora_params"]
 
@@ -56,6 +58,9 @@ class _MergeState:
     # id(LoRA layer) -> a view of it whose factors are full precision, for layers whose factors the all-gather rounded
     full_precision_loras: dict[int, torch.nn.Module] = field(default_factory=dict)
     stats: MergePrecisionStats | None = None  # opt-in precision telemetry of the merged tensors (a sample of rows)
+    row_stats: MergePrecisionStats | None = None  # the telemetry of this rank's rows (row merge), summed over ranks
+    # id(sharded parameter) -> its whole tensor, gathered by the row merge (merged for LoRA weights, cast)
+    gathered: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _factor_params(lora: LoraLayer, adapter: str) -> Iterator[tuple[torch.nn.Module, str]]:
@@ -124,10 +129,9 @@ def _full_precision_loras(
 
 
 @contextlib.contextmanager
-def _gathered(modules: list[torch.nn.Module], state: _MergeState, prefetch: list[torch.nn.Module] = ()):
-    """Unshard the FSDP2 groups among ``modules`` for the block (a collective: every rank enters, in step), and start
-    unsharding those among ``prefetch`` (the walk's next step), so that its all-gather overlaps this step's merge and
-    push; the next step's ``unshard()`` waits for it.
+def _gathered(modules: list[torch.nn.Module], state: _MergeState):
+    """Unshard the FSDP2 groups among ``modules`` for the block (a collective: every rank enters, in step); an
+    ``unshard(async_op=True)`` the walk started before (its prefetch) is waited for by ``unshard()``.
 
     Under FSDP2 mixed precision the all-gather casts every parameter to ``param_dtype``, the LoRA factors
     included, while peft's merge of an unsharded model computes the delta from the factors in their own dtype
@@ -139,23 +143,35 @@ def _gathered(modules: list[torch.nn.Module], state: _MergeState, prefetch: list
     sharded = _sharded_factors(loras, state.adapter)  # before unshard(), which swaps the shards out of the modules
     for group in groups:
         group.unshard()
-    started = []
     try:
         state.unsharded = bool(groups)
         state.full_precision_loras = _full_precision_loras(loras, sharded, state.adapter)
-        started = [(m, m.unshard(async_op=True)) for m in prefetch if isinstance(m, FSDPModule)]
         yield
-    except BaseException:  # the walk ends here (an error, or the consumer stopped): nothing stays unsharded
-        for group, handle in started:
-            if handle is not None:
-                handle.wait()
-            group.reshard()
-        raise
     finally:
         state.unsharded = False
         state.full_precision_loras = {}
         for group in groups:
             group.reshard()
+
+
+@contextlib.contextmanager
+def _rows_gathered(gather: RowGather, state: _MergeState):
+    """The row merge's whole tensors of a layer (`merge.row_merge`) for the block."""
+    state.gathered = gather.full
+    try:
+        yield
+    finally:
+        state.gathered = {}
+
+
+def _release(prefetched: RowGather | list | None) -> None:
+    """A walk that ends early: wait for the next step's all-gathers it started, and reshard what they unshard."""
+    if isinstance(prefetched, RowGather):
+        prefetched.wait()
+    for group, handle in prefetched if isinstance(prefetched, list) else ():
+        if handle is not None:
+            handle.wait()
+        group.reshard()
 
 
 def _owned(tensor: torch.Tensor, state: _MergeState) -> torch.Tensor:
@@ -164,6 +180,8 @@ def _owned(tensor: torch.Tensor, state: _MergeState) -> torch.Tensor:
     vLLM's layer-wise reload keeps the tensors it is given until a fused weight (qkv, gate_up) is
     complete, so a view of the all-gather buffer must not be handed out.
     """
+    if (whole := state.gathered.get(id(tensor))) is not None:  # the row merge's: already cast, and its own buffer
+        return whole
     out = tensor.detach()
     if state.dtype is not None and out.dtype != state.dtype:
         return out.to(state.dtype)
@@ -194,16 +212,18 @@ def _delta_fp32(lora: torch.nn.Module, adapter: str, delta: torch.Tensor) -> tor
     return view.get_delta_weight(adapter).float()
 
 
-def _linear_product(lora: torch.nn.Module, param: torch.Tensor, adapter: str) -> torch.Tensor | None:
-    """``B @ A``, a fresh tensor, for a plain peft LoRA ``Linear`` whose factors and weight share the dtype peft
-    computes its delta in (not fan_in_fan_out; not bf16/fp16 factors on CPU, which peft upcasts); None otherwise.
-    ``lora``: the LoRA layer or its full-precision view."""
+def _linear_product(
+    lora: torch.nn.Module, param: torch.Tensor, adapter: str, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``B @ A`` (into ``out`` if it has ``param``'s dtype, else a fresh tensor) for a plain peft LoRA ``Linear`` whose
+    factors and weight share the dtype peft computes its delta in (not fan_in_fan_out; not bf16/fp16 factors on CPU,
+    which peft upcasts); None otherwise. ``lora``: the LoRA layer or its full-precision view."""
     if type(lora) is not LoraLinear or lora.fan_in_fan_out:
         return None
     a, b = lora.lora_A[adapter].weight, lora.lora_B[adapter].weight
     if not a.dtype == b.dtype == param.dtype or (a.device.type == "cpu" and a.dtype in (torch.float16, torch.bfloat16)):
         return None
-    return b @ a
+    return torch.matmul(b, a, out=out if out is not None and out.dtype == param.dtype else None)
 
 
 def _add_scaled(weight: torch.Tensor, product: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -215,25 +235,45 @@ def _add_scaled(weight: torch.Tensor, product: torch.Tensor, scaling: float) -> 
     return product.mul_(scaling).add_(weight)
 
 
-def _merged(param: torch.Tensor, lora: LoraLayer, state: _MergeState) -> torch.Tensor:
+def _merged(
+    param: torch.Tensor,
+    lora: torch.nn.Module,
+    state: _MergeState,
+    stats: MergePrecisionStats | None,
+    first_row: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``param + delta`` out of place, with peft's own delta (its dtype rules), added as peft's merge adds it, then
-    cast to ``state.dtype``; accounted in ``state.stats`` if given. A plain ``Linear``'s delta is computed here as peft
-    computes it, its product's buffer becoming the merged tensor (`_linear_product`): one allocation, not three."""
+    cast to ``state.dtype``; accounted in ``stats`` if given. A plain ``Linear``'s delta is computed here as peft
+    computes it, its product's buffer becoming the merged tensor (`_linear_product`): one allocation, not three.
+    The row merge's: ``first_row`` (where ``param``'s rows start in the weight), ``out`` (the merged rows' place)."""
     lora = state.full_precision_loras.get(id(lora), lora)
-    stats = state.stats
-    product = _linear_product(lora, param, state.adapter)
+    product = _linear_product(lora, param, state.adapter, out)
     if product is not None and (stats is None or product.dtype == torch.float32):
         scaling = lora.scaling[state.adapter]
-        delta_rows = stats.sampled_rows(product).mul(scaling) if stats is not None else None  # before the add
+        delta_rows = stats.sampled_rows(product, first_row).mul(scaling) if stats is not None else None  # before add
         merged = _cast(_add_scaled(param, product, scaling), state)
         if stats is not None:
-            stats.add_sampled(stats.sampled_rows(param), delta_rows, stats.sampled_rows(merged))
-        return merged
-    delta = lora.get_delta_weight(state.adapter)
-    merged = _cast((param + delta).to(param.dtype), state)
-    if stats is not None:
-        stats.add(param, _delta_fp32(lora, state.adapter, delta), merged)
-    return merged
+            stats.add_sampled(stats.sampled_rows(param, first_row), delta_rows, stats.sampled_rows(merged, first_row))
+    else:
+        delta = lora.get_delta_weight(state.adapter)
+        merged = _cast((param + delta).to(param.dtype), state)
+        if stats is not None:
+            stats.add(param, _delta_fp32(lora, state.adapter, delta), merged, first_row)
+    return merged if out is None or merged is out else out.copy_(merged)
+
+
+def _merged_rows(
+    lora: LoraLinear,
+    weight_rows: torch.Tensor,
+    factors: dict[int, torch.Tensor],
+    first_row: int,
+    out: torch.Tensor,
+    state: _MergeState,
+) -> None:
+    """The row merge's `_merged`: rows of ``W`` with the factors given (``A`` whole, rows of ``B``) into ``out``,
+    measured in ``state.row_stats``."""
+    _merged(weight_rows, _with_factors(lora, state.adapter, factors), state, state.row_stats, first_row, out)
 
 
 def _lora_layer_tensors(module: LoraLayer, prefix: str, state: _MergeState) -> Iterator[tuple[str, torch.Tensor]]:
@@ -242,7 +282,8 @@ def _lora_layer_tensors(module: LoraLayer, prefix: str, state: _MergeState) -> I
     if state.adapter not in module.lora_A and state.adapter not in getattr(module, "lora_embedding_A", {}):
         yield from _module_tensors(base_layer, prefix, state)
         return
-    yield f"{prefix}.weight", _merged(base_layer.weight, module, state)
+    merged = state.gathered.get(id(base_layer.weight))  # the row merge's, or merged here
+    yield f"{prefix}.weight", merged if merged is not None else _merged(base_layer.weight, module, state, state.stats)
     if module.lora_bias.get(state.adapter, False):
         lora_b = state.full_precision_loras.get(id(module), module).lora_B[state.adapter]
         bias_delta = lora_b.bias * module.scaling[state.adapter]
@@ -266,7 +307,7 @@ def _parameter_lora_tensors(
     module = wrapper
     while isinstance(module, ParamWrapper):
         if state.adapter in module.lora_A:
-            merged[module.parameter_name] = _merged(module.get_param(), module, state)
+            merged[module.parameter_name] = _merged(module.get_param(), module, state, state.stats)
         module = module.base_layer
     yield from _module_tensors(module, prefix, state, merged=merged)
 
@@ -354,16 +395,19 @@ def merged_lora_params(
     and for experts fused in memory (``mlp.experts.gate_up_proj``) one tensor per expert and projection
     (``mlp.experts.0.gate_proj.weight``), split by transformers' own ``revert_weight_conversion``.
 
-    Under FSDP2 this is a collective: every rank must iterate to the end, in step. At most two decoder
-    layers are unsharded at a time: the one merged and the next, whose all-gather is started before this one's tensors
-    are yielded (``unshard(async_op=True)``). The merge is out of place: ``(W + delta).to(W.dtype)`` with peft's
-    ``get_delta_weight`` computed from the LoRA factors in their own dtype (under mixed precision they
-    are gathered again at full precision, see ``_gathered``), as ``merge_and_unload()`` does on an unsharded
-    copy; the trainer's parameters are never written.
+    Under FSDP2 this is a collective: every rank must iterate to the end, in step. A decoder layer whose LoRA layers
+    are all plain ``Linear`` is row-merged: each rank merges its own rows of each weight (``W``'s rows and ``B``'s, with
+    ``A`` gathered whole), and the merged rows are all-gathered in the yielded dtype (`merge.row_merge`); any other
+    layer, and the root's group, is ``unshard()``-ed whole, then merged. At most two layers are gathered at a time:
+    the one yielded and the next, whose all-gather is started before this one's tensors are yielded. The merge is out
+    of place: ``(W + delta).to(W.dtype)`` with peft's ``get_delta_weight`` computed from the LoRA factors in their own
+    dtype (under mixed precision ``W`` is cast to ``param_dtype`` as FSDP2's all-gather casts it, and the factors are
+    gathered at full precision, see ``_gathered``), as ``merge_and_unload()`` does on an unsharded copy, bit for bit;
+    the trainer's parameters are never written.
 
-    Lifetime: consume each tensor before advancing the iterator past its layer. Tensors of an unsharded
-    layer are copies (FSDP frees the all-gather buffer at ``reshard()``, and vLLM's layer-wise reload keeps
-    references until a fused weight is complete; handing out views of that buffer is verl's bug #7014).
+    Lifetime: consume each tensor before advancing the iterator past its layer. Tensors of a gathered layer are the
+    walk's own: fresh (row merge) or copies (FSDP frees the all-gather buffer at ``reshard()``, and vLLM's layer-wise
+    reload keeps references until a fused weight is complete; handing out views of that buffer is verl's bug #7014).
     Without FSDP, weights the adapter does not touch are yielded as detached views of the trainer's
     parameters: load them before the next optimizer step.
     """
@@ -372,8 +416,37 @@ def merged_lora_params(
     layers = decoder_layers(model)
     state = _MergeState(adapter=adapter, dtype=dtype, seen=set(), stats=precision_stats)
     steps = [list(layer.modules()) for layer in layers] + [list(_modules_outside(model, layers))]
-    for i, layer in enumerate(layers):
-        with _gathered(steps[i], state, prefetch=steps[i + 1]):
-            yield from in_checkpoint_format(_module_tensors(layer, f"model.layers.{i}", state), base, converted)
-    with _gathered(steps[-1], state):
-        yield from in_checkpoint_format(_module_tensors(base, "", state, skip=layers), base, converted)
+    rows = [layer_rows(layer, adapter) for layer in layers] + [None]  # None: the step is unshard()-ed whole
+    row_merged = [r for r in rows if r is not None]
+    if precision_stats is not None and row_merged:
+        state.row_stats = MergePrecisionStats(precision_stats.row_stride)
+
+    factors = {}  # step -> its `gather_factors`, started one step ahead
+
+    def start(i: int) -> RowGather | list:
+        """Step ``i``'s all-gathers, started: its row merge's, or its groups' ``unshard(async_op=True)``."""
+        if rows[i] is None:
+            return [(m, m.unshard(async_op=True)) for m in steps[i] if isinstance(m, FSDPModule)]
+        layer_factors = factors.pop(i, None) or gather_factors(rows[i])
+        if rows[i + 1] is not None:
+            factors[i + 1] = gather_factors(rows[i + 1])
+        return gather_rows(rows[i], layer_factors, lambda *args: _merged_rows(*args, state), state.dtype)
+
+    prefetched = None
+    try:
+        for i, step in enumerate(steps):
+            current, prefetched = prefetched, None
+            if rows[i] is not None:
+                current = current or start(i)
+                current.wait()
+            with _rows_gathered(current, state) if rows[i] is not None else _gathered(step, state):
+                if i + 1 < len(steps):  # the next step's all-gather overlaps this one's push
+                    prefetched = start(i + 1)
+                module, prefix, skip = (layers[i], f"model.layers.{i}", None) if i < len(layers) else (base, "", layers)
+                yield from in_checkpoint_format(_module_tensors(module, prefix, state, skip), base, converted)
+    finally:
+        _release(prefetched)
+        for pending in factors.values():  # a walk that ends early
+            _release(RowGather(packed=pending))
+    if state.row_stats is not None:
+        precision_stats.add_across_ranks(state.row_stats, row_merged[0].process_group, row_merged[0].device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["MergePrecisionStats"]
 
@@ -32,9 +33,9 @@ class MergePrecisionStats:
     Meant for a target dtype below fp32 (bf16/fp16 engines), though it measures whatever dtype is yielded (with fp32 it
     only sees fp32 rounding). The sums are kept on the tensors' device as float64 (per tensor, or per chunk of
     ``CPU_CHUNK`` elements on CPU, reduced in fp32 by ``torch.dot``, accumulated in float64) so that the merge never
-    waits on the device; :meth:`metrics` reads them (one sync). Under FSDP2 every rank merges the unsharded (full)
-    layer, so every rank accumulates the same sums and no reduction is needed. Accumulates across calls until
-    :meth:`reset`.
+    waits on the device; :meth:`metrics` reads them (one sync). Under FSDP2 each rank measures the rows it merges
+    (its own rows of a decoder layer's weights, or all of a group it unshards), and the walk sums the ranks' pieces
+    (:meth:`add_across_ranks`), so every rank ends with the same figures. Accumulates across calls until :meth:`reset`.
     """
 
     FIELDS = ("dot", "delta_sq", "err_sq", "nonzero", "zeroed")  # Σ⟨d,Δ⟩, Σ‖Δ‖², Σ‖d−Δ‖², #(Δ≠0), #(Δ≠0, d=0)
@@ -111,6 +112,23 @@ class MergePrecisionStats:
         err = moved.sub_(delta)
         sums = torch.stack([dot, delta_sq, torch.dot(err, err)])
         return torch.cat([sums.to(torch.float64), counts.to(torch.float64)])
+
+    @torch.no_grad()
+    def add_across_ranks(self, pieces: MergePrecisionStats, group: dist.ProcessGroup, device: torch.device) -> None:
+        """Add ``pieces``' sums over the ranks of ``group`` (a collective): each rank measured its own rows of the same
+        tensors, so the sums and entries add up and the tensors count once. ``device``: where ``group`` reduces."""
+        pieces._sum_pending()
+        local = torch.zeros(len(self.FIELDS) + 1, dtype=torch.float64, device=device)
+        if pieces.sums is not None:
+            local[:-1] = pieces.sums
+        local[-1] = pieces.entries
+        dist.all_reduce(local, group=group)
+        self._sum_pending()  # the pending rows are summed on their own device, so self.sums is there
+        if self.sums is None:
+            self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+        self.sums += local[:-1].to(self.sums.device)
+        self.entries += int(local[-1].item())
+        self.tensors += pieces.tensors
 
     def totals(self) -> dict[str, float]:
         """The raw float64 sums (``FIELDS``; zeros before any merged tensor), with ``entries`` and ``tensors``."""

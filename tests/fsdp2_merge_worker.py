@@ -48,9 +48,13 @@ def main():
     # is the median of 5 passes.
     extra = statistics.median(rss_peak_during(drain)[1] for _ in range(5))
     floor = statistics.median(rss_peak_during(unshard_only)[1] for _ in range(5))
+    walk = merged_lora_params(model)  # a walk that ends early, in step (the consumer stops in layer 0, next layers'
+    for _ in range(3):  # all-gathers in flight): what follows must still merge and train
+        next(walk)
+    walk.close()
     worst = max((t - expected[n]).abs().max().item() for n, t in merged_lora_params(model))
     assert set(names) == set(expected) and len(names) == len(expected), set(expected) ^ set(names)
-    assert worst <= 1e-6, f"merged weights differ from merge_and_unload by {worst}"
+    assert worst == 0, f"merged weights differ from merge_and_unload by {worst}"  # bit for bit
     lora_b = next(n for n in full if "lora_B" in n)
     assert full[lora_b].abs().sum() > 0, "the optimizer step should have made lora_B non-zero"
     changed = [n for n, p in model.named_parameters() if not torch.equal(local_before[n], p.to_local())]
@@ -60,10 +64,11 @@ def main():
         f"{extra / layer_bytes:.2f}x the largest decoder layer ({layer_bytes / 2**20:.1f} MiB); "
         f"unshard()+reshard() of that layer alone: {floor / 2**20:.1f} MiB = {floor / layer_bytes:.2f}x"
     )
-    # On gloo, FSDP2's all-gather itself needs ~2 layers (output + staging); the next layer's all-gather, started
-    # before this one merges, adds a layer, and the merge half a layer.
-    assert extra <= floor + 1.5 * layer_bytes, f"merge peak {extra} B > unshard peak {floor} B + 1.5 layers"
-    assert extra <= 3.5 * layer_bytes, f"merge peak {extra} B > 3.5x the largest layer ({layer_bytes} B)"
+    # On gloo, FSDP2's unshard() of a layer needs ~2 layers (its all-gather's output + staging). The row merge gathers
+    # the merged weights straight into the tensors handed out, so its own layer and the next one's being gathered
+    # cost about as much (measured 1.9-2.2 layers; 3.1-3.2 when every layer was unshard()-ed whole, then merged).
+    assert extra <= floor + 1.0 * layer_bytes, f"merge peak {extra} B > unshard peak {floor} B + 1 layer"
+    assert extra <= 3.0 * layer_bytes, f"merge peak {extra} B > 3x the largest layer ({layer_bytes} B)"
 
     # training still works after the merge (every group resharded properly)
     model(input_ids=ids, labels=ids).loss.backward()

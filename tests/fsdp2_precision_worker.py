@@ -3,7 +3,9 @@
 For each case: build a LoRA model (same weights on every rank), shard it with fully_shard (each decoder layer, then
 the root; with the case's MixedPrecisionPolicy), take an optimizer step, then merge to bf16 with a
 MergePrecisionStats and check that its sums equal those of the same merge of an unsharded copy with the same
-parameters, and are the same on both ranks (every rank merges the full, unsharded layer: no reduction needed).
+parameters, and are the same on both ranks (each rank measures the rows it merges; the walk sums the ranks'). The
+dense cases' decoder layers are row-merged (`merge.row_merge`): their bf16 tensors are checked bit for bit against
+the walk that unshard()s every layer whole, including rows the two ranks do not divide evenly (hidden size 65).
 """
 
 import copy
@@ -15,22 +17,37 @@ from qwen3_moe_lora import tiny_moe_lora
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchrun import finish_worker
 
-from merge import MergePrecisionStats, merged_lora_params
+import merge.merged_params
+from merge import MergePrecisionStats, decoder_layers, merged_lora_params
+from merge.row_merge import layer_rows
 
+BF16_ALL_GATHER = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CASES = {  # name: (model builder, FSDP2 mixed precision policy or None)
     "dense fp32": (lambda: tiny_lora(), None),
-    "moe bf16 base + fp32 adapters, bf16 all-gather": (
-        lambda: tiny_moe_lora(dtype=torch.bfloat16),
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    ),
+    "dense fp32, bf16 all-gather, uneven rows": (lambda: tiny_lora(hidden=65), BF16_ALL_GATHER),
+    "moe bf16 base + fp32 adapters, bf16 all-gather": (lambda: tiny_moe_lora(dtype=torch.bfloat16), BF16_ALL_GATHER),
 }
 
 
-def totals(model) -> dict[str, float]:
+def merged_bf16(model, whole_layers: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The walk's tensors cast to bf16 and its precision figures; ``whole_layers``: every layer unshard()-ed whole."""
     stats = MergePrecisionStats()
-    for _ in merged_lora_params(model, dtype=torch.bfloat16, precision_stats=stats):
-        pass
-    return stats.totals()
+    layer_rows_of_the_walk = merge.merged_params.layer_rows
+    if whole_layers:
+        merge.merged_params.layer_rows = lambda layer, adapter: None
+    try:
+        tensors = dict(merged_lora_params(model, dtype=torch.bfloat16, precision_stats=stats))
+    finally:
+        merge.merged_params.layer_rows = layer_rows_of_the_walk
+    return tensors, stats.totals()
+
+
+def assert_same_figures(name: str, got: dict, expected: dict) -> None:
+    """Counts exactly; the sums up to their order (each rank sums its rows of the row-merged layers, then ranks')."""
+    counts = ("nonzero", "zeroed", "entries", "tensors")
+    assert all(got[k] == expected[k] for k in counts), f"{name}: {got} != {expected}"
+    close = all(abs(got[k] - expected[k]) <= 1e-6 * abs(expected[k]) for k in ("dot", "delta_sq", "err_sq"))
+    assert close, f"{name}: {got} != {expected}"
 
 
 def check_case(name: str, build, mp_policy, rank: int) -> None:
@@ -41,16 +58,25 @@ def check_case(name: str, build, mp_policy, rank: int) -> None:
     with torch.no_grad():
         for param_name, param in reference.named_parameters():
             param.copy_(full[param_name])
+            if mp_policy is not None and "lora_" not in param_name:  # the merge reads W as the all-gather casts it
+                param.data = param.data.to(mp_policy.param_dtype)
 
-    sharded, unsharded = totals(model), totals(reference)
+    row_merged = all(layer_rows(layer, "default") is not None for layer in decoder_layers(model))
+    assert row_merged == name.startswith("dense"), f"{name}: row-merged {row_merged}"
+    (rows, sharded), (whole, whole_figures) = merged_bf16(model), merged_bf16(model, whole_layers=True)
+    assert list(rows) == list(whole), f"{name}: names differ"
+    differing = [n for n in rows if not torch.equal(rows[n], whole[n])]
+    assert not differing, f"{name}: the row merge differs from the unshard()-ed merge in {differing}"
+    unsharded = merged_bf16(reference)[1]
     assert unsharded["delta_sq"] > 0 and unsharded["entries"] > 0, f"{name}: nothing measured: {unsharded}"
-    assert sharded == unsharded, f"{name}: FSDP2 {sharded} != unsharded {unsharded}"
+    assert_same_figures(f"{name}, FSDP2 against unsharded", sharded, unsharded)
+    assert_same_figures(f"{name}, row-merged against whole layers", sharded, whole_figures)
     on_ranks = [None, None]
     dist.all_gather_object(on_ranks, sharded)
     assert on_ranks[0] == on_ranks[1], f"{name}: ranks differ: {on_ranks}"
     print(
         f"rank {rank}: {name}: {sharded['tensors']} merged tensors, {sharded['entries']} entries, "
-        f"same figures as unsharded",
+        f"the figures of the unsharded model",
         flush=True,
     )
 
