@@ -213,14 +213,15 @@ def _delta_fp32(lora: torch.nn.Module, adapter: str, delta: torch.Tensor) -> tor
 
 
 def _linear_product(
-    lora: torch.nn.Module, param: torch.Tensor, adapter: str, out: torch.Tensor | None = None
+    lora: torch.nn.Module, param: torch.Tensor, adapter: str, out: torch.Tensor | None = None, factors=None
 ) -> torch.Tensor | None:
     """``B @ A`` (into ``out`` if it has ``param``'s dtype, else a fresh tensor) for a plain peft LoRA ``Linear`` whose
     factors and weight share the dtype peft computes its delta in (not fan_in_fan_out; not bf16/fp16 factors on CPU,
-    which peft upcasts); None otherwise. ``lora``: the LoRA layer or its full-precision view."""
+    which peft upcasts); None otherwise. ``lora``: the LoRA layer or its full-precision view; ``factors``: ``(A, B)``
+    in place of its own."""
     if type(lora) is not LoraLinear or lora.fan_in_fan_out:
         return None
-    a, b = lora.lora_A[adapter].weight, lora.lora_B[adapter].weight
+    a, b = factors or (lora.lora_A[adapter].weight, lora.lora_B[adapter].weight)
     if not a.dtype == b.dtype == param.dtype or (a.device.type == "cpu" and a.dtype in (torch.float16, torch.bfloat16)):
         return None
     return torch.matmul(b, a, out=out if out is not None and out.dtype == param.dtype else None)
@@ -242,13 +243,15 @@ def _merged(
     stats: MergePrecisionStats | None,
     first_row: int = 0,
     out: torch.Tensor | None = None,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``param + delta`` out of place, with peft's own delta (its dtype rules), added as peft's merge adds it, then
     cast to ``state.dtype``; accounted in ``stats`` if given. A plain ``Linear``'s delta is computed here as peft
     computes it, its product's buffer becoming the merged tensor (`_linear_product`): one allocation, not three.
-    The row merge's: ``first_row`` (where ``param``'s rows start in the weight), ``out`` (the merged rows' place)."""
+    The row merge's: ``first_row`` (where ``param``'s rows start in the weight), ``out`` (the merged rows' place),
+    ``factors`` (``(A, B)`` in place of the layer's: ``A`` whole, ``B``'s rows)."""
     lora = state.full_precision_loras.get(id(lora), lora)
-    product = _linear_product(lora, param, state.adapter, out)
+    product = _linear_product(lora, param, state.adapter, out, factors)
     if product is not None and (stats is None or product.dtype == torch.float32):
         scaling = lora.scaling[state.adapter]
         delta_rows = stats.sampled_rows(product, first_row).mul(scaling) if stats is not None else None  # before add
@@ -256,6 +259,9 @@ def _merged(
         if stats is not None:
             stats.add_sampled(stats.sampled_rows(param, first_row), delta_rows, stats.sampled_rows(merged, first_row))
     else:
+        if factors is not None:  # peft's delta of the rows: its LoRA layer with these factors
+            own = (lora.lora_A[state.adapter].weight, lora.lora_B[state.adapter].weight)
+            lora = _with_factors(lora, state.adapter, {id(p): f for p, f in zip(own, factors)})
         delta = lora.get_delta_weight(state.adapter)
         merged = _cast((param + delta).to(param.dtype), state)
         if stats is not None:
@@ -266,14 +272,14 @@ def _merged(
 def _merged_rows(
     lora: LoraLinear,
     weight_rows: torch.Tensor,
-    factors: dict[int, torch.Tensor],
+    factors: tuple[torch.Tensor, torch.Tensor],
     first_row: int,
     out: torch.Tensor,
     state: _MergeState,
 ) -> None:
-    """The row merge's `_merged`: rows of ``W`` with the factors given (``A`` whole, rows of ``B``) into ``out``,
-    measured in ``state.row_stats``."""
-    _merged(weight_rows, _with_factors(lora, state.adapter, factors), state, state.row_stats, first_row, out)
+    """The row merge's `_merged`: rows of ``W`` with ``factors`` (``A`` whole, rows of ``B``) into ``out``, measured in
+    ``state.row_stats``."""
+    _merged(weight_rows, lora, state, state.row_stats, first_row, out, factors)
 
 
 def _lora_layer_tensors(module: LoraLayer, prefix: str, state: _MergeState) -> Iterator[tuple[str, torch.Tensor]]:

@@ -189,7 +189,7 @@ def _start(rows: LayerRows, padded: torch.Tensor, out: RowGather) -> None:
     out.works.append(dist.all_gather_single(padded, slot, group=rows.process_group, async_op=True))
 
 
-MergeRows = Callable[[LoraLinear, torch.Tensor, dict[int, torch.Tensor], int, torch.Tensor], None]
+MergeRows = Callable[[LoraLinear, torch.Tensor, tuple[torch.Tensor, torch.Tensor], int, torch.Tensor], None]
 
 
 def gather_rows(rows: LayerRows, factors: list[Packed], merge_rows: MergeRows, dtype: torch.dtype | None) -> RowGather:
@@ -198,8 +198,8 @@ def gather_rows(rows: LayerRows, factors: list[Packed], merge_rows: MergeRows, d
     each in place into its whole tensor, the rest (norms, biases) packed in one (`Packed`).
 
     ``merge_rows(lora, weight_rows, factors, first_row, out)``: writes into ``out`` the merged rows (cast to ``out``'s
-    dtype) of the rows of ``W`` (in ``param_dtype``) and ``factors`` (``{id(factor parameter): tensor}``: ``A``
-    whole and this rank's rows of ``B``, in their own dtype); ``first_row``: the rows' place in ``W``. ``dtype``:
+    dtype) of the rows of ``W`` (in ``param_dtype``) and ``factors`` (``(A, B)``: ``A`` whole and this rank's rows
+    of ``B``, in their own dtype); ``first_row``: the rows' place in ``W``. ``dtype``:
     the engine's (None: each tensor's own, the merged one's being ``W``'s in ``param_dtype``).
     """
     out = RowGather()
@@ -208,10 +208,7 @@ def gather_rows(rows: LayerRows, factors: list[Packed], merge_rows: MergeRows, d
         full_a.update(packed.wait())
     for r in rows.loras:
         weight_rows = _in_param_dtype(r.weight, _local_rows(r.weight))
-        factors = {
-            id(r.lora_a.sharded_param): full_a[id(r.lora_a.sharded_param)],
-            id(r.lora_b.sharded_param): _local_rows(r.lora_b),
-        }
+        factors = (full_a[id(r.lora_a.sharded_param)], _local_rows(r.lora_b))
         padded = _whole(rows, r.weight, dtype or weight_rows.dtype, out)
         first_row = rows.rank * r.weight.padded_sharded_param_size[0]
         merge_rows(r.lora, weight_rows, factors, first_row, padded[first_row : first_row + weight_rows.shape[0]])
