@@ -10,8 +10,10 @@ download) with the LoRA of recipes/configs/qwen3_4b_gsm8k.yaml under FSDP2 in bf
   update      two optimizer steps of the GRPO loss on a full-length mini-batch (per_device_train_batch_size x
               (max_prompt_length + max_completion_length) tokens); the peak GPU memory against the memory plan's
               update phase for the same run (grpo/memory_plan.py, sharded, without vLLM)
-  sync        merged_lora_params over the whole model (one decoder layer unsharded at a time, W + scale * B @ A)
-              against a plain walk of the base weights (the same unshard / copy / reshard, no LoRA)
+  sync        merged_lora_params over the whole model (one decoder layer at a time, W + scale * B @ A) against a
+              plain walk of the base weights (unshard / copy / reshard, no LoRA); and whether each row of B @ A on
+              this device is the same whichever rows are computed together (what the row merge of several ranks
+              relies on, merge/row_merge.py), for the first layer's LoRA Linears at 2, 4 and 8 ranks
   attention   packed log-probs and LoRA gradients on a packed mini-batch of unequal samples, forward + backward:
               packed_sdpa's per-sample loop, its varlen FlashAttention call (CUDA only), and transformers' sdpa
               (the T x T block-diagonal mask); time and max |delta| against the per-sample loop
@@ -274,6 +276,30 @@ def consume(weights) -> int:
     return total
 
 
+def row_products_equal(model, worlds=(2, 4, 8)) -> dict[str, bool]:
+    """For each world size w: whether every rank's rows of ``B @ A`` (``B[k*c:(k+1)*c] @ A``, c = ceil(out / w)), for
+    every LoRA Linear of the first decoder layer, equal those rows of the whole product bit for bit, in the factors'
+    dtype and in bf16."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    def whole(tensor):
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    pairs = []
+    for module in decoder_layers(model)[0].modules():
+        if isinstance(module, LoraLinear):
+            a, b = (whole(f[module.active_adapters[0]].weight).detach() for f in (module.lora_A, module.lora_B))
+            pairs += [(a, b), (a.bfloat16(), b.bfloat16())]
+    equal = {}
+    for world in worlds:
+        same = True
+        for a, b in pairs:
+            product, chunk = b @ a, -(-b.shape[0] // world)
+            same &= all(torch.equal(b[k : k + chunk] @ a, product[k : k + chunk]) for k in range(0, b.shape[0], chunk))
+        equal[str(world)] = same
+    return equal
+
+
 def check_sync(model, dtype: torch.dtype, device: torch.device) -> dict:
     merged_s, merged_bytes = timed(lambda: consume(merged_lora_params(model, dtype=dtype)), device)
     plain_s, plain_bytes = timed(lambda: consume(plain_walk(model)), device)
@@ -283,6 +309,7 @@ def check_sync(model, dtype: torch.dtype, device: torch.device) -> dict:
         merged_over_plain=merged_s / plain_s,
         merged_gib=merged_bytes / GIB,
         plain_gib=plain_bytes / GIB,
+        row_products_equal=row_products_equal(model),
     )
 
 
@@ -373,6 +400,7 @@ def table(report: dict) -> str:
             "sync: merged_lora_params / plain walk",
             f"{s['merged_lora_params_s']:.3f} / {s['plain_walk_s']:.3f} s (x{s['merged_over_plain']:.2f})",
         ),
+        ("sync: rows of B @ A as in the whole, at 2/4/8 ranks", "/".join(map(str, s["row_products_equal"].values()))),
     ]
     for mode in ("per_sample", "varlen", "sdpa_mask"):
         if mode in a:
