@@ -8,9 +8,11 @@ handed to the engine, and the all-gather fills in the other ranks' slots around 
 gather ``W``, ``A`` and ``B`` into FSDP2's buffer and copy them out into the parameters, and every rank would then
 compute every product of the layer and write the merged tensor once more.
 
-A row of ``B @ A`` is a dot product over the rank r alone, the same whichever rows are computed together (on CPU,
-and on a GPU where r fits one tile of the reduction), so the merged tensors are bit for bit those of ``unshard()``
-then merge (``tests/fsdp2_merge_worker.py`` checks them against peft's ``merge_and_unload()``).
+A row of ``B @ A`` is a dot product over the rank r alone, the same whichever rows are computed together (on CPU;
+on a GPU wherever the reduction over r is not split differently for fewer rows: ``bench/gpu_check.py`` checks it on
+the device), so the merged tensors are bit for bit those of ``unshard()`` then merge (``tests/fsdp2_merge_worker.py``
+checks them against peft's ``merge_and_unload()``, ``tests/fsdp2_precision_worker.py`` against the ``unshard()`` walk
+under mixed precision with uneven rows).
 
 Used for the decoder layers whose LoRA layers are all plain peft ``Linear`` (no ``fan_in_fan_out``, LoRA bias or
 DoRA) on a 1-D mesh without CPU offload; any other layer is ``unshard()``-ed whole (`merged_params._gathered`).
@@ -45,9 +47,8 @@ class LoraRows:
 
 @dataclass
 class LayerRows:
-    """What a decoder layer's row merge reads: its FSDP2 parameter group, split into LoRA weights and the rest."""
+    """What a decoder layer's row merge reads: its FSDP2 parameters, split into LoRA weights and the rest."""
 
-    group: object  # FSDPParamGroup
     loras: list[LoraRows]
     plain: list[object]  # FSDPParams yielded as they are (norms, Linears the adapter leaves alone)
     process_group: dist.ProcessGroup
@@ -155,7 +156,7 @@ def layer_rows(layer: torch.nn.Module, adapter: str) -> LayerRows | None:
     plain = [p for p in group.fsdp_params if id(p.sharded_param) not in merged_ids]
     device = group.fsdp_params[0].sharded_param.device
     pg = mesh_info.shard_process_group
-    return LayerRows(group, loras, plain, pg, mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, device)
+    return LayerRows(loras, plain, pg, mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, device)
 
 
 def _local_rows(fsdp_param) -> torch.Tensor:
@@ -208,10 +209,10 @@ def gather_rows(rows: LayerRows, factors: list[Packed], merge_rows: MergeRows, d
         full_a.update(packed.wait())
     for r in rows.loras:
         weight_rows = _in_param_dtype(r.weight, _local_rows(r.weight))
-        factors = (full_a[id(r.lora_a.sharded_param)], _local_rows(r.lora_b))
+        a_and_b_rows = (full_a[id(r.lora_a.sharded_param)], _local_rows(r.lora_b))
         padded = _whole(rows, r.weight, dtype or weight_rows.dtype, out)
         first_row = rows.rank * r.weight.padded_sharded_param_size[0]
-        merge_rows(r.lora, weight_rows, factors, first_row, padded[first_row : first_row + weight_rows.shape[0]])
+        merge_rows(r.lora, weight_rows, a_and_b_rows, first_row, padded[first_row : first_row + weight_rows.shape[0]])
         _start(rows, padded, out)
     small = [p for p in rows.plain if len(p._orig_size) < 2]
     out.packed = _packed(rows, small, lambda p: _cast(_in_param_dtype(p, p._sharded_param_data), dtype))
