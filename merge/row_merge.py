@@ -32,6 +32,8 @@ from torch.distributed.tensor import Shard
 
 __all__ = ["LayerRows", "Packed", "RowGather", "gather_factors", "gather_rows", "layer_rows"]
 
+# torch 2.13's name for it (``all_gather_into_tensor`` now warns); torch before 2.13, e.g. a CUDA image's, has only that
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _FACTOR_CONTAINERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
 
@@ -67,7 +69,7 @@ class Packed:
         self.params, self.sizes = params, [s.numel() for s in shards]
         local = torch.cat(shards)
         self.gathered = torch.empty(rows.world * local.numel(), dtype=local.dtype, device=local.device)
-        self.work = dist.all_gather_single(self.gathered, local, group=rows.process_group, async_op=True)
+        self.work = _all_gather_single(self.gathered, local, group=rows.process_group, async_op=True)
 
     def wait(self) -> dict[int, torch.Tensor]:
         """``{id(sharded parameter): whole tensor}``, once gathered."""
@@ -187,7 +189,7 @@ def _start(rows: LayerRows, padded: torch.Tensor, out: RowGather) -> None:
     """Start the all-gather of this rank's slot of ``padded`` into the rest of it (in place)."""
     chunk = padded.shape[0] // rows.world
     slot = padded[rows.rank * chunk : (rows.rank + 1) * chunk]
-    out.works.append(dist.all_gather_single(padded, slot, group=rows.process_group, async_op=True))
+    out.works.append(_all_gather_single(padded, slot, group=rows.process_group, async_op=True))
 
 
 MergeRows = Callable[[LoraLinear, torch.Tensor, tuple[torch.Tensor, torch.Tensor], int, torch.Tensor], None]
