@@ -13,7 +13,8 @@ download) with the LoRA of recipes/configs/qwen3_4b_gsm8k.yaml under FSDP2 in bf
   sync        merged_lora_params over the whole model (one decoder layer at a time, W + scale * B @ A) against a
               plain walk of the base weights (unshard / copy / reshard, no LoRA); and whether each row of B @ A on
               this device is the same whichever rows are computed together (what the row merge of several ranks
-              relies on, merge/row_merge.py), for the first layer's LoRA Linears at 2, 4 and 8 ranks
+              relies on, merge/row_merge.py), for the first layer's LoRA Linears at 2, 4 and 8 ranks and in pieces of
+              16 rows
   attention   packed log-probs and LoRA gradients on a packed mini-batch of unequal samples, forward + backward:
               packed_sdpa's per-sample loop, its varlen FlashAttention call (CUDA only), and transformers' sdpa
               (the T x T block-diagonal mask); time and max |delta| against the per-sample loop
@@ -279,8 +280,10 @@ def consume(weights) -> int:
 def row_products_equal(model, worlds=(2, 4, 8)) -> dict[str, bool]:
     """For each world size w: whether every rank's rows of ``B @ A`` (``B[k*c:(k+1)*c] @ A``, c = ceil(out / w)), for
     every LoRA Linear of the first decoder layer, equal those rows of the whole product bit for bit, in the factors'
-    dtype and in bf16."""
+    dtype and in bf16; and the same for pieces of ``MIN_ROWS`` rows, the fewest the row merge lets a rank merge."""
     from peft.tuners.lora import Linear as LoraLinear
+
+    from merge.row_merge import MIN_ROWS
 
     def whole(tensor):
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -290,13 +293,15 @@ def row_products_equal(model, worlds=(2, 4, 8)) -> dict[str, bool]:
         if isinstance(module, LoraLinear):
             a, b = (whole(f[module.active_adapters[0]].weight).detach() for f in (module.lora_A, module.lora_B))
             pairs += [(a, b), (a.bfloat16(), b.bfloat16())]
+    chunks = {str(world): (lambda rows, world=world: -(-rows // world)) for world in worlds}
+    chunks[f"{MIN_ROWS} rows"] = lambda rows: MIN_ROWS
     equal = {}
-    for world in worlds:
+    for label, chunk_of in chunks.items():
         same = True
         for a, b in pairs:
-            product, chunk = b @ a, -(-b.shape[0] // world)
+            product, chunk = b @ a, chunk_of(b.shape[0])
             same &= all(torch.equal(b[k : k + chunk] @ a, product[k : k + chunk]) for k in range(0, b.shape[0], chunk))
-        equal[str(world)] = same
+        equal[label] = same
     return equal
 
 
@@ -400,7 +405,10 @@ def table(report: dict) -> str:
             "sync: merged_lora_params / plain walk",
             f"{s['merged_lora_params_s']:.3f} / {s['plain_walk_s']:.3f} s (x{s['merged_over_plain']:.2f})",
         ),
-        ("sync: rows of B @ A as in the whole, at 2/4/8 ranks", "/".join(map(str, s["row_products_equal"].values()))),
+        (
+            "sync: rows of B @ A as in the whole, at 2/4/8 ranks/16 rows",
+            "/".join(map(str, s["row_products_equal"].values())),
+        ),
     ]
     for mode in ("per_sample", "varlen", "sdpa_mask"):
         if mode in a:

@@ -156,12 +156,13 @@ def _gathered(modules: list[torch.nn.Module], state: _MergeState):
 
 @contextlib.contextmanager
 def _rows_gathered(gather: RowGather, state: _MergeState):
-    """The row merge's whole tensors of a layer (`merge.row_merge`) for the block."""
-    state.gathered = gather.full
+    """The row merge's whole tensors of a layer (`merge.row_merge`) for the block; anything else of the layer (a
+    persistent buffer) is handed out as a copy, as for an unsharded layer."""
+    state.gathered, state.unsharded = gather.full, True
     try:
         yield
     finally:
-        state.gathered = {}
+        state.gathered, state.unsharded = {}, False
 
 
 def _release(prefetched: RowGather | list | None) -> None:
@@ -448,11 +449,12 @@ def merged_lora_params(
             with _rows_gathered(current, state) if rows[i] is not None else _gathered(step, state):
                 if i + 1 < len(steps):  # the next step's all-gather overlaps this one's push
                     prefetched = start(i + 1)
+                if i == len(layers) and state.row_stats is not None:  # every row merged: sum the ranks' figures,
+                    # before the last step yields (a consumer may stop after the last tensor)
+                    precision_stats.add_across_ranks(state.row_stats, row_merged[0].process_group, row_merged[0].device)
                 module, prefix, skip = (layers[i], f"model.layers.{i}", None) if i < len(layers) else (base, "", layers)
                 yield from in_checkpoint_format(_module_tensors(module, prefix, state, skip), base, converted)
     finally:
         _release(prefetched)
         for pending in factors.values():  # a walk that ends early
             _release(RowGather(packed=pending))
-    if state.row_stats is not None:
-        precision_stats.add_across_ranks(state.row_stats, row_merged[0].process_group, row_merged[0].device)

@@ -8,14 +8,17 @@ handed to the engine, and the all-gather fills in the other ranks' slots around 
 gather ``W``, ``A`` and ``B`` into FSDP2's buffer and copy them out into the parameters, and every rank would then
 compute every product of the layer and write the merged tensor once more.
 
-A row of ``B @ A`` is a dot product over the rank r alone, the same whichever rows are computed together (on CPU;
-on a GPU wherever the reduction over r is not split differently for fewer rows: ``bench/gpu_check.py`` checks it on
-the device), so the merged tensors are bit for bit those of ``unshard()`` then merge (``tests/fsdp2_merge_worker.py``
-checks them against peft's ``merge_and_unload()``, ``tests/fsdp2_precision_worker.py`` against the ``unshard()`` walk
-under mixed precision with uneven rows).
+A row of ``B @ A`` is a dot product over the rank r alone, the same whichever rows are computed together, as long as
+there are enough of them: on CPU a product of 1 to 3 rows takes another kernel whose rows differ in the last bit, so
+a layer where a rank would hold fewer than ``MIN_ROWS`` rows of a LoRA weight is unshard()-ed whole (on a GPU,
+``bench/gpu_check.py`` checks the property on the device, at ``MIN_ROWS`` rows too). So the merged tensors are bit for
+bit those of ``unshard()`` then merge (``tests/fsdp2_merge_worker.py`` checks them against peft's
+``merge_and_unload()``, ``tests/fsdp2_precision_worker.py`` against the ``unshard()`` walk under mixed precision with
+uneven rows).
 
 Used for the decoder layers whose LoRA layers are all plain peft ``Linear`` (no ``fan_in_fan_out``, LoRA bias or
-DoRA) on a 1-D mesh without CPU offload; any other layer is ``unshard()``-ed whole (`merged_params._gathered`).
+DoRA) in one FSDP2 group on a 1-D mesh without CPU offload; any other layer is ``unshard()``-ed whole
+(`merged_params._gathered`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from peft.tuners.lora import LoraLayer
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import Shard
 
-__all__ = ["LayerRows", "Packed", "RowGather", "gather_factors", "gather_rows", "layer_rows"]
+__all__ = ["MIN_ROWS", "LayerRows", "Packed", "RowGather", "gather_factors", "gather_rows", "layer_rows"]
+
+MIN_ROWS = 16  # the fewest rows of a LoRA weight a rank merges (fewer: the layer is unshard()-ed whole)
 
 # torch 2.13's name for it (``all_gather_into_tensor`` now warns); torch before 2.13, e.g. a CUDA image's, has only that
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -124,8 +129,11 @@ def layer_rows(layer: torch.nn.Module, adapter: str) -> LayerRows | None:
     dimension other than 0, or a LoRA layer other than a plain ``Linear``."""
     if not isinstance(layer, FSDPModule) or any(isinstance(m, FSDPModule) for m in layer.modules() if m is not layer):
         return None
-    group = layer._get_fsdp_state()._fsdp_param_group
-    if group is None or not group.is_sharded or isinstance(group.offload_policy, CPUOffloadPolicy):
+    groups = layer._get_fsdp_state()._fsdp_param_groups
+    if len(groups) != 1:
+        return None
+    group = groups[0]
+    if not group.is_sharded or isinstance(group.offload_policy, CPUOffloadPolicy):
         return None
     group.lazy_init()  # what unshard() does first (idempotent): the mixed-precision dtypes are set there
     mesh_info = group.mesh_info
@@ -141,7 +149,7 @@ def layer_rows(layer: torch.nn.Module, adapter: str) -> LayerRows | None:
         for container in _FACTOR_CONTAINERS:  # never yielded: the merge reads them
             if (factors := getattr(module, container, None)) is not None:
                 factor_ids.update(id(p) for p in factors.parameters())
-        if adapter not in module.lora_A:
+        if adapter not in module.lora_A and adapter not in getattr(module, "lora_embedding_A", {}):
             continue
         if (
             type(module) is not LoraLinear
@@ -153,12 +161,21 @@ def layer_rows(layer: torch.nn.Module, adapter: str) -> LayerRows | None:
         weight, a, b = module.get_base_layer().weight, module.lora_A[adapter].weight, module.lora_B[adapter].weight
         if not all(id(t) in by_param for t in (weight, a, b)) or weight.shape[0] != b.shape[0]:
             return None
+        if _fewest_rows(weight.shape[0], mesh_info.shard_mesh_size) < MIN_ROWS:
+            return None
         loras.append(LoraRows(module, by_param[id(weight)], by_param[id(a)], by_param[id(b)]))
     merged_ids = {id(r.weight.sharded_param) for r in loras} | factor_ids
     plain = [p for p in group.fsdp_params if id(p.sharded_param) not in merged_ids]
     device = group.fsdp_params[0].sharded_param.device
     pg = mesh_info.shard_process_group
     return LayerRows(loras, plain, pg, mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, device)
+
+
+def _fewest_rows(rows: int, world: int) -> int:
+    """The fewest rows any rank holds of a tensor of ``rows`` rows (FSDP2's chunks: ceil(rows / world) each, the last
+    ones short or empty), counting only ranks that hold some."""
+    chunk = -(-rows // world)
+    return min(min(chunk, rows - k * chunk) for k in range(world) if rows > k * chunk)
 
 
 def _local_rows(fsdp_param) -> torch.Tensor:

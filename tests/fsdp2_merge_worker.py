@@ -22,6 +22,8 @@ def main():
     rank = dist.get_rank()
     torch.set_num_threads(1)
     model = tiny_lora(layers=4, hidden=512)  # ~10 MB per decoder layer in fp32
+    for layer in decoder_layers(model):  # a persistent buffer: FSDP2 leaves it whole, the walk must copy it
+        layer.register_buffer("marker", torch.arange(4.0))
     reference = copy.deepcopy(model)  # same initial weights on every rank
     layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
 
@@ -52,7 +54,14 @@ def main():
     for _ in range(3):  # all-gathers in flight): what follows must still merge and train
         next(walk)
     walk.close()
-    worst = max((t - expected[n]).abs().max().item() for n, t in merged_lora_params(model))
+    trainer_storage = {
+        (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()
+    }
+    trainer_storage |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    merged = list(merged_lora_params(model))
+    shared = [n for n, t in merged if t.untyped_storage().data_ptr() in trainer_storage]
+    assert not shared, f"merged_lora_params handed out the trainer's own storage: {shared[:3]}"
+    worst = max((t - expected[n]).abs().max().item() for n, t in merged)
     assert set(names) == set(expected) and len(names) == len(expected), set(expected) ^ set(names)
     assert worst == 0, f"merged weights differ from merge_and_unload by {worst}"  # bit for bit
     lora_b = next(n for n in full if "lora_B" in n)

@@ -34,7 +34,7 @@ def test_the_gpu_kit_runs_every_section_without_vllm(tmp_path):
     assert len(update["steps"]) == 2 and all(s["finite"] and s["grad_norm"] > 0 for s in update["steps"])
     assert update["plan_update_gib"] > 0 and "peak_allocated_gib" not in update  # a GPU measures it
     assert sync["merged_gib"] == sync["plain_gib"] > 0 and sync["merged_lora_params_s"] > 0
-    assert sync["row_products_equal"] == {"2": True, "4": True, "8": True}
+    assert sync["row_products_equal"] == {"2": True, "4": True, "8": True, "16 rows": True}
     assert attention["per_sample"]["max_abs_delta_logps"] == 0 and attention["samples"] == 4
     assert "varlen" not in attention  # CUDA only
     sdpa = attention["sdpa_mask"]  # transformers' T x T mask: the same attention, up to bf16 rounding
@@ -43,7 +43,7 @@ def test_the_gpu_kit_runs_every_section_without_vllm(tmp_path):
     for line in (
         "update: peak allocated / plan",
         "sync: merged_lora_params / plain walk",
-        "sync: rows of B @ A as in the whole, at 2/4/8 ranks  True/True/True",
+        "sync: rows of B @ A as in the whole, at 2/4/8 ranks/16 rows  True/True/True/True",
         "attention varlen",
         "fp16: losses finite, skipped, last scale",
     ):

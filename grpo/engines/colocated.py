@@ -40,7 +40,8 @@ from merge.vllm_compat import classes_without_own_weights, in_process_model, rel
 def finite_or_stop(weights):
     """Pass ``(name, tensor)`` pairs through; raise `NonFiniteError` naming the first one that holds inf/NaN.
 
-    Every rank merges the same unsharded layer, so every rank stops at the same tensor. In fp16 a merged weight
+    Every rank yields the same whole tensors (gathered from the ranks' merged rows, or merged from the same unsharded
+    layer), so every rank stops at the same tensor. In fp16 a merged weight
     beyond 65504 becomes inf in the cast; vLLM would otherwise serve it and the rollout would be garbage.
     """
     for name, tensor in weights:
