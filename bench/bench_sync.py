@@ -351,8 +351,8 @@ def check_and_time(args, model, engine: ColocatedEngine, consumers, dtype, say) 
 def time_precision_stats(args, model) -> dict:
     """What the merge-precision telemetry (`MergePrecisionStats`, on in the recipe when it merges below fp32) adds
     to our iterator: merged_lora_params cast to bf16 and drained without it, with it (its default sample, every
-    ``ROW_STRIDE``-th row) and with it on every row, interleaved, the order rotated; and how far the sample's figures
-    are from every row's."""
+    ``ROW_STRIDE``-th row; the figures read, in the time) and with it on every row, interleaved, the order rotated;
+    and how far the sample's figures are from every row's."""
     modes = {"without": None, "with": MergePrecisionStats.ROW_STRIDE, "every_row": 1}
     seconds, figures = {mode: [] for mode in modes}, {}
     for rep in range(args.reps):
@@ -363,9 +363,9 @@ def time_precision_stats(args, model) -> dict:
             t0 = time.perf_counter()
             for _ in merged_lora_params(model, dtype=torch.bfloat16, precision_stats=stats):
                 pass
-            seconds[mode].append(reduce_max(time.perf_counter() - t0))
-            if stats is not None:
+            if stats is not None:  # read as the recipe reads them after each sync: the sums over ranks finish here
                 figures[mode] = stats.metrics()
+            seconds[mode].append(reduce_max(time.perf_counter() - t0))
     medians = {mode: statistics.median(values) for mode, values in seconds.items()}
     return dict(
         dtype="bfloat16",

@@ -51,6 +51,7 @@ class MergePrecisionStats:
         self.pending_entries = 0
         self.entries = 0  # entries of the merged tensors measured (the sampled rows')
         self.tensors = 0  # merged tensors measured
+        self.reducing: list[tuple[dist.Work, torch.Tensor]] = []  # sums over ranks in flight (`add_across_ranks`)
 
     def reset(self) -> None:
         self.__init__(self.row_stride)
@@ -115,24 +116,30 @@ class MergePrecisionStats:
 
     @torch.no_grad()
     def add_across_ranks(self, pieces: MergePrecisionStats, group: dist.ProcessGroup, device: torch.device) -> None:
-        """Add ``pieces``' sums over the ranks of ``group`` (a collective): each rank measured its own rows of the same
-        tensors, so the sums and entries add up and the tensors count once. ``device``: where ``group`` reduces."""
+        """Add ``pieces``' sums over the ranks of ``group`` (a collective, started here and finished when the figures
+        are read, so that the merge does not wait for it): each rank measured its own rows of the same tensors, so the
+        sums and entries add up and the tensors count once. ``device``: where ``group`` reduces."""
         pieces._sum_pending()
         local = torch.zeros(len(self.FIELDS) + 1, dtype=torch.float64, device=device)
         if pieces.sums is not None:
             local[:-1] = pieces.sums
         local[-1] = pieces.entries
-        dist.all_reduce(local, group=group)
-        self._sum_pending()  # the pending rows are summed on their own device, so self.sums is there
-        if self.sums is None:
-            self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
-        self.sums += local[:-1].to(self.sums.device)
-        self.entries += int(local[-1].item())
+        self.reducing.append((dist.all_reduce(local, group=group, async_op=True), local))
         self.tensors += pieces.tensors
+
+    def _finish_reductions(self) -> None:
+        for work, summed in self.reducing:
+            work.wait()
+            if self.sums is None:
+                self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=summed.device)
+            self.sums += summed[:-1].to(self.sums.device)
+            self.entries += int(summed[-1].item())
+        self.reducing = []
 
     def totals(self) -> dict[str, float]:
         """The raw float64 sums (``FIELDS``; zeros before any merged tensor), with ``entries`` and ``tensors``."""
         self._sum_pending()
+        self._finish_reductions()
         values = [0.0] * len(self.FIELDS) if self.sums is None else self.sums.tolist()
         return {**dict(zip(self.FIELDS, values)), "entries": self.entries, "tensors": self.tensors}
 
