@@ -57,7 +57,9 @@ class LayerRows:
     """What a decoder layer's row merge reads: its FSDP2 parameters, split into LoRA weights and the rest."""
 
     loras: list[LoraRows]
-    plain: list[object]  # FSDPParams yielded as they are (norms, Linears the adapter leaves alone)
+    # FSDPParams yielded as they are: 1-D ones (norms, biases) gathered packed in one, the others each in place
+    small: list[object]
+    large: list[object]
     process_group: dist.ProcessGroup
     world: int
     rank: int
@@ -166,9 +168,10 @@ def layer_rows(layer: torch.nn.Module, adapter: str) -> LayerRows | None:
         loras.append(LoraRows(module, by_param[id(weight)], by_param[id(a)], by_param[id(b)]))
     merged_ids = {id(r.weight.sharded_param) for r in loras} | factor_ids
     plain = [p for p in group.fsdp_params if id(p.sharded_param) not in merged_ids]
+    small, large = [p for p in plain if len(p._orig_size) < 2], [p for p in plain if len(p._orig_size) >= 2]
     device = group.fsdp_params[0].sharded_param.device
     pg = mesh_info.shard_process_group
-    return LayerRows(loras, plain, pg, mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, device)
+    return LayerRows(loras, small, large, pg, mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, device)
 
 
 def _fewest_rows(rows: int, world: int) -> int:
@@ -233,11 +236,8 @@ def gather_rows(rows: LayerRows, factors: list[Packed], merge_rows: MergeRows, d
         first_row = rows.rank * r.weight.padded_sharded_param_size[0]
         merge_rows(r.lora, weight_rows, a_and_b_rows, first_row, padded[first_row : first_row + weight_rows.shape[0]])
         _start(rows, padded, out)
-    small = [p for p in rows.plain if len(p._orig_size) < 2]
-    out.packed = _packed(rows, small, lambda p: _cast(_in_param_dtype(p, p._sharded_param_data), dtype))
-    for p in rows.plain:
-        if len(p._orig_size) < 2:
-            continue
+    out.packed = _packed(rows, rows.small, lambda p: _cast(_in_param_dtype(p, p._sharded_param_data), dtype))
+    for p in rows.large:
         local = _in_param_dtype(p, _local_rows(p))
         padded = _whole(rows, p, dtype or local.dtype, out)
         first_row = rows.rank * p.padded_sharded_param_size[0]
