@@ -34,7 +34,7 @@ from grpo.config import load_config
 from grpo.memory_plan import GIB, memory_plan
 from grpo.parallel import apply_activation_checkpointing
 from grpo.qwen3_4b_shape import qwen3_4b_config
-from grpo.tiny_gsm8k import SIZES
+from grpo.tasks.tiny_gsm8k import SIZES
 from padding import packed_log_probs
 
 MIB = 2**20

@@ -55,7 +55,7 @@ def base_model_dir(name: str, cache: Path) -> str:
         from grpo.qwen3_4b_shape import build_qwen3_4b_shape
 
         return build_qwen3_4b_shape(cache / "qwen3-4b-2layers", num_layers=2, dtype="bfloat16")
-    from grpo.tiny_gsm8k import build_tiny_model
+    from grpo.tasks.tiny_gsm8k import build_tiny_model
 
     out = cache / f"bench-precision-{name}-bf16"
     if not (out / "config.json").is_file():

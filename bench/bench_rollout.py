@@ -27,7 +27,7 @@ from bench_common import machine_info, with_random_lora
 from transformers import AutoModelForCausalLM
 
 from grpo.engines.colocated import ColocatedEngine
-from grpo.tiny_gsm8k import MOE_SIZES, build_tiny_model, format_prompt, make_problems
+from grpo.tasks.tiny_gsm8k import MOE_SIZES, build_tiny_model, format_prompt, make_problems
 
 MOE_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

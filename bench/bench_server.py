@@ -28,7 +28,7 @@ what crosses the wire (the factors, the weights) or the adapter file. After lora
 there is that mode) and after full the server's greedy log-probs on fixed prompts are compared: both must serve the
 same weights.
 
-Models: "small" (the 26.5M Qwen3 of `grpo.tiny_gsm8k`, fp32, as bench/bench_rollout.py and bench_sync.py),
+Models: "small" (the 26.5M Qwen3 of `grpo.tasks.tiny_gsm8k`, fp32, as bench/bench_rollout.py and bench_sync.py),
 "qwen3-4b-1layer" and "qwen3-4b-4layers" (1 and 4 decoder layers of Qwen3-4B's exact shape with its 151,936-token
 vocabulary, bf16, `grpo.qwen3_4b_shape`). From the two depths, Qwen3-4B's 36 layers are extrapolated: bytes exactly
 (the 4-layer model's per-layer bytes x 36 + the rest), seconds by a line through the two depths per mode
@@ -64,7 +64,7 @@ from bench_common import ALL_LINEAR, machine_info, serve, wait_until_up, with_ra
 from transformers import AutoModelForCausalLM
 
 from grpo.engines.server import ServerEngine
-from grpo.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
+from grpo.tasks.tiny_gsm8k import build_tiny_model, format_prompt, make_problems
 from merge.lora_merge import LoraMergeTrainer, lora_update
 
 QWEN3_4B_LAYERS = 36

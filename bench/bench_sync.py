@@ -6,7 +6,7 @@ The script launches itself twice under ``torchrun --nproc_per_node 2`` (gloo, ``
 phase with glibc's default malloc, as the recipe runs, and a memory phase with ``MALLOC_MMAP_THRESHOLD_=65536``
 (every tensor of 64 KiB or more is its own mmap, returned to the system when freed, so RSS follows the live
 tensors; it also makes every large allocation page-fault, which slows syncs ~2x, hence two launches). In
-each, every rank builds the same LoRA Qwen3 (``grpo/tiny_gsm8k.py``, non-zero lora_B), shards it with
+each, every rank builds the same LoRA Qwen3 (``grpo/tasks/tiny_gsm8k.py``, non-zero lora_B), shards it with
 ``fully_shard`` per decoder layer then the root (the recipe's ``parallel.apply_fsdp``), and builds the recipe's
 ``ColocatedEngine`` (in-process vLLM, one per rank). Every method ends in the engine's push,
 ``ColocatedEngine.push_weights`` (``collective_rpc("reload_weights", ...)``); ours is the recipe's sync itself:
@@ -190,7 +190,7 @@ def local_shards(model) -> dict[str, torch.Tensor]:
 def worker(args) -> None:
     """One rank of one phase: "time" (correctness checks, timing, the literal TRL call) or "memory"."""
     from grpo.parallel import apply_fsdp
-    from grpo.tiny_gsm8k import build_tiny_model
+    from grpo.tasks.tiny_gsm8k import build_tiny_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -264,7 +264,7 @@ def check_and_time(args, model, engine: ColocatedEngine, consumers, dtype, say) 
     """The timing phase: correctness checks, interleaved timed syncs, then the literal TRL call."""
     from vllm import SamplingParams
 
-    from grpo.tiny_gsm8k import format_prompt, make_problems
+    from grpo.tasks.tiny_gsm8k import format_prompt, make_problems
 
     # 1. correctness: the same tensors name by name, and the same greedy generations from vLLM after each push
     collected, changed = {}, {}
@@ -441,7 +441,7 @@ def main() -> None:
             parts[phase] = json.loads(part.read_text())
 
     # Drift: one process, unsharded, bf16 (the same arithmetic as on FSDP2 shards, without the processes).
-    from grpo.tiny_gsm8k import build_tiny_model
+    from grpo.tasks.tiny_gsm8k import build_tiny_model
 
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM

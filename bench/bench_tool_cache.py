@@ -3,15 +3,15 @@
     python bench/bench_tool_cache.py --out results/bench_tool_cache.json
 
 A multi-turn episode sends its whole history back every turn: without a prefix cache the server computes all of it
-again, turn after turn. Two ``vllm serve`` on the embedded tool model (`grpo.tiny_tools`; built under ``--cache`` if
-missing), the first with `grpo.engines.server.serve_command`'s prefix cache (salted per request by
+again, turn after turn. Two ``vllm serve`` on the embedded tool model (`grpo.tasks.tiny_tools`; built under
+``--cache`` if missing), the first with `grpo.engines.server.serve_command`'s prefix cache (salted per request by
 `ServerEngine.cache_salt`), the second with ``--no-enable-prefix-caching``, each pinned to ``--server-core``
 (``taskset``, ``VLLM_CPU_OMP_THREADS_BIND``); this client runs on ``--client-core``, and only one server works at a
 time. A rollout is ``--episodes`` episodes of the tool task's prompts, each ``turns`` turns long: every turn samples
 up to ``--turn-tokens`` tokens per episode (its own end of turn may stop it sooner), then appends a tool response
-of ``--tool-response-tokens`` as the chat template renders it (`grpo.tools.Renderer`), and the next turn sends the
-whole history, every episode's at once (the per-turn batching of `grpo.tools.ToolEngine`). The tool's answer is a
-fixed string, so every episode runs exactly ``turns`` turns whatever the model writes.
+of ``--tool-response-tokens`` as the chat template renders it (`grpo.episodes.formats.Renderer`), and the next
+turn sends the whole history, every episode's at once (the per-turn batching of `grpo.episodes.loop.ToolEngine`). The
+tool's answer is a fixed string, so every episode runs exactly ``turns`` turns whatever the model writes.
 
 Each repetition runs both arms at 2, 4 and 8 turns, in an order rotated every repetition, with the same seeds: both
 arms sample the same tokens (checked: the JSON counts the episodes whose tokens differ). The figure is rollout
@@ -35,8 +35,8 @@ import torch
 from bench_common import machine_info, serve, wait_until_up
 
 from grpo.engines.server import ServerEngine
-from grpo.tiny_tools import TOOLS, build_tool_model, make_tool_problems, prompt_messages
-from grpo.tools import Renderer
+from grpo.episodes.formats import Renderer
+from grpo.tasks.tiny_tools import TOOLS, build_tool_model, make_tool_problems, prompt_messages
 
 TURNS = (2, 4, 8)
 ARMS = ("prefix_cache", "no_prefix_cache")

@@ -3,7 +3,7 @@ against every episode's turn sent together once the slowest tool of the turn has
 
     python bench/bench_tool_schedule.py --out results/bench_tool_schedule.json
 
-One ``vllm serve`` on the embedded tool model (`grpo.tiny_tools`; built under ``--cache`` if missing) with the
+One ``vllm serve`` on the embedded tool model (`grpo.tasks.tiny_tools`; built under ``--cache`` if missing) with the
 recipe's prefix cache, pinned to ``--server-core``; this client on ``--client-core``. A rollout is ``--episodes``
 episodes of the tool task's prompts, each ``--turns`` turns long: every turn samples up to ``--turn-tokens`` tokens,
 then the episode's tool runs for its own time and a tool response of ``--tool-response-tokens`` is appended (as in
@@ -44,8 +44,9 @@ from bench_tool_cache import (
     tool_response_ids,
 )
 
-from grpo.tiny_tools import TOOLS
-from grpo.tools import Renderer, turn_seed
+from grpo.episodes.formats import Renderer
+from grpo.episodes.loop import turn_seed
+from grpo.tasks.tiny_tools import TOOLS
 
 ARMS = ("per_episode", "per_turn")
 

@@ -60,7 +60,7 @@ class ModelSettings:
     build_tiny: str | None = setting(
         None,
         "build the embedded default of this size into name_or_path if absent (tiny-tools: the tool-use task's "
-        "model, grpo/tiny_tools.py)",
+        "model, grpo/tasks/tiny_tools.py)",
         choices=("tiny", "small", "tiny-moe", "tiny-tools"),
     )
     build_seed: int = setting(0, "seed of the embedded default's build", range=">= 0")
@@ -204,7 +204,7 @@ class PaddingSettings:
 
 @dataclass
 class ToolCallingSettings:
-    """How the recipe runs the tools of a multi-turn episode (`tools`; grpo/tools.py)."""
+    """How the recipe runs the tools of a multi-turn episode (`tools`; grpo/episodes/)."""
 
     timeout_s: float = setting(10.0, "seconds a tool call may take; then the model gets an error result", range="> 0")
     max_output_chars: int = setting(
@@ -322,16 +322,16 @@ class RecipeConfig:
         None, "a checkpoint-<N> folder, or 'last' (alias: resume_from)", range="a checkpoint folder or 'last'"
     )
     reward_funcs: list[str] = setting(
-        ["grpo.rewards:gsm8k_exact_answer_reward"],
+        ["grpo.tasks.rewards:gsm8k_exact_answer_reward"],
         "GRPOTrainer's reward_funcs, as 'module:function' (TRL signature: "
-        "f(completions, **columns) -> list[float]); see grpo/rewards.py",
+        "f(completions, **columns) -> list[float]); see grpo/tasks/rewards.py",
         range="a non-empty list of 'module:function'",
         check=lambda v: all(":" in f for f in v),
     )
     tools: list[str] | None = setting(
         None,
         "GRPOTrainer's tools, as 'module:function' (a JSON schema from each one's type hints and docstring): "
-        "multi-turn episodes, token in / token out (grpo/tools.py, docs/tools.md)",
+        "multi-turn episodes, token in / token out (grpo/episodes/, docs/tools.md)",
         range="a non-empty list of 'module:function' or null",
         check=lambda v: all(":" in f for f in v),
     )

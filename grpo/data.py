@@ -64,8 +64,8 @@ def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
     """The rows of data.split (or ``split``) as dicts: the generated problems, a local file/folder, or a hub dataset."""
     split = split or cfg.data.split
     if cfg.data.name in ("generated", "generated-tools"):
-        from grpo.tiny_gsm8k import make_problems
-        from grpo.tiny_tools import make_tool_problems
+        from grpo.tasks.tiny_gsm8k import make_problems
+        from grpo.tasks.tiny_tools import make_tool_problems
 
         make = make_problems if cfg.data.name == "generated" else make_tool_problems
         return make(cfg.data.num_generated, seed=cfg.seed if split == cfg.data.split else cfg.seed + 1)
@@ -176,7 +176,7 @@ def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Te
     """Left-padded prompts + right-padded responses -> input_ids/attention_mask [N, P+R], response_mask, the
     engine's log-probs and (server) the policy version of each token [N, R], truncated [N].
 
-    Multi-turn episodes (`grpo.tools`): the response holds every token after the prompt, and response_mask is 0 on
+    Multi-turn episodes (`grpo.episodes`): the response holds every token after the prompt, and response_mask is 0 on
     the tool tokens inside it (TRL's tool_mask), so the log-probs, the loss and the KL skip them; `turn_of_token`
     [N, R] says which model turn sampled each token."""
     width_p = max(len(s.prompt_ids) for s in samples)

@@ -58,7 +58,7 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
 
 def per_turn_statistics(batch: dict, mask: torch.Tensor) -> dict:
     """|vLLM - trainer| and the trainer-over-vLLM probability ratio on the model tokens of turn 1, 2 and 3+."""
-    from grpo.tools import turn_masks
+    from grpo.episodes.metrics import turn_masks
 
     gap = batch["vllm_logprobs"] - batch.get("fidelity_logprobs", batch["old_logprobs"])
     stats = {}

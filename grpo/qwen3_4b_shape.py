@@ -61,7 +61,7 @@ def build_qwen3_4b_shape(out_dir: str | Path, num_layers: int = 36, dtype: str =
     """Build (or reuse) the model and tokenizer in ``out_dir``; returns the path. Written atomically."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from grpo.tiny_gsm8k import build_tokenizer
+    from grpo.tasks.tiny_gsm8k import build_tokenizer
 
     out_dir = Path(out_dir)
     args = dict(num_layers=num_layers, dtype=dtype, seed=seed)

@@ -27,6 +27,8 @@ from grpo.engines.build import prepare_engine
 from grpo.engines.colocated import check_vllm_lora_targets
 from grpo.engines.interface import Engine
 from grpo.engines.rollout_queue import RolloutQueue
+from grpo.episodes.loop import ToolEngine
+from grpo.episodes.tools import load_tools
 from grpo.faults import LogprobGuard
 from grpo.loss import LossSettings
 from grpo.loss_scaling import DynamicLossScale
@@ -43,7 +45,6 @@ from grpo.parallel import (
 )
 from grpo.policy_versions import PolicyVersions
 from grpo.run_folder import output_dir_problem, resume_or_new_run, start_run_dir
-from grpo.tools import ToolEngine, load_tools
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
@@ -164,8 +165,8 @@ def check_paths(cfg: RecipeConfig, rank: int) -> None:
 def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
     if cfg.model.build_tiny:
-        from grpo.tiny_gsm8k import build_tiny_model
-        from grpo.tiny_tools import build_tool_model
+        from grpo.tasks.tiny_gsm8k import build_tiny_model
+        from grpo.tasks.tiny_tools import build_tool_model
 
         # rank 0 builds; the others wait for its files rather than in a collective, whose timeout (30 min on gloo) a
         # build on a loaded machine can outlast (should rank 0 fail, the launcher ends them)

@@ -71,13 +71,13 @@ from tqdm.auto import tqdm
 from grpo.checkpointing import checkpoint_path, rng_state, save_adapter, save_checkpoint, set_rng_state
 from grpo.data import group_advantages, make_batch, score, select
 from grpo.engines.server import ServerError
+from grpo.episodes.metrics import tool_stats
 from grpo.faults import StopRequest, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
 from grpo.metrics import log_rollout_step, params_digest, reduce_statistics, step_metrics, write_metrics
 from grpo.parallel import gather_across_ranks, reduce_across_ranks
 from grpo.policy_versions import sampler_log_probs
 from grpo.run import Run, setup
-from grpo.tools import tool_stats
 from padding import packed_log_probs
 
 log = logging.getLogger("grpo")

@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml recipes/grpo_trl.py \
         --config recipes/configs/trl_tiny_cpu.yaml [--max_steps 8 --run_name trl-short ...]
 
-The TRL counterpart of ``recipes/grpo_qwen3_4b.py``: the same embedded default (``grpo/tiny_gsm8k.py``: the
+The TRL counterpart of ``recipes/grpo_qwen3_4b.py``: the same embedded default (``grpo/tasks/tiny_gsm8k.py``: the
 tiny Qwen3, generated GSM8K-style problems, ``gsm8k_exact_answer_reward``), the same hyperparameters in the
 config, trained by ``trl.GRPOTrainer`` with a colocated vLLM engine; ``merge.trl.use_merged_lora_sync(trainer)``
 replaces TRL's merge/unmerge weight sync (``--sync trl`` keeps TRL's own, for comparison where it runs: it
@@ -23,7 +23,7 @@ TRL's ``vllm_mode: server`` against a ``vllm serve`` with the ``lora_merge`` wei
 built inside ``merge.trl.lora_merge_server_client()`` and each sync sends only the LoRA factors. The server's
 settings are checked first (``ServerEngine.check_settings``: processed log-probs, dtype, no prefix cache, length).
 
-The tool task (``--config recipes/configs/trl_tiny_cpu_tools.yaml``): ``grpo/tiny_tools.py``'s model and product
+The tool task (``--config recipes/configs/trl_tiny_cpu_tools.yaml``): ``grpo/tasks/tiny_tools.py``'s model and product
 problems as chat prompts, trained by TRL's own multi-turn loop, ``GRPOTrainer(tools=[calculator])`` with
 ``max_tool_calling_iterations``: TRL parses each turn's tool calls, runs them, appends each result's ids (its
 ``tool_mask`` 0: no loss, no importance weight) and generates the next turn from the ids so far. The tool model's
@@ -55,13 +55,13 @@ import yaml  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from grpo.data import load_reward_funcs  # noqa: E402
+from grpo.episodes.tools import load_tools  # noqa: E402
 from grpo.exits import exit_finished  # noqa: E402
 from grpo.parallel import reduce_across_ranks  # noqa: E402
-from grpo.tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
-from grpo.tiny_tools import build_tool_model  # noqa: E402
-from grpo.tools import load_tools  # noqa: E402
+from grpo.tasks.tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
+from grpo.tasks.tiny_tools import build_tool_model  # noqa: E402
 
-TOOL_MODEL = "tiny-tools"  # build_tiny: the tool task's model (grpo.tiny_tools.build_tool_model)
+TOOL_MODEL = "tiny-tools"  # build_tiny: the tool task's model (grpo.tasks.tiny_tools.build_tool_model)
 DATASETS = ("generated", "generated-tools")  # the standalone recipe's data.name for the two embedded tasks
 
 
@@ -73,7 +73,7 @@ class TinyGsm8kArguments:
         default="tiny",
         metadata={
             "help": "build the embedded model of this size (tiny_gsm8k.SIZES, or tiny-tools: the tool task's, "
-            "grpo/tiny_tools.py) at model_name_or_path first unless cached; null (or none) to use "
+            "grpo/tasks/tiny_tools.py) at model_name_or_path first unless cached; null (or none) to use "
             "model_name_or_path as it is"
         },
     )
@@ -81,21 +81,22 @@ class TinyGsm8kArguments:
     dataset: str = field(
         default="generated",
         metadata={
-            "help": "generated: GSM8K-style problems as plain-text prompts (grpo/tiny_gsm8k.py); generated-tools: "
-            "the tool task's products as chat prompts, with an answer column (grpo/tiny_tools.py)",
+            "help": "generated: GSM8K-style problems as plain-text prompts (grpo/tasks/tiny_gsm8k.py); "
+            "generated-tools: the tool task's products as chat prompts, with an answer column "
+            "(grpo/tasks/tiny_tools.py)",
             "choices": list(DATASETS),
         },
     )
     num_generated: int = field(default=4096, metadata={"help": "generated problems to train on"})
     reward_funcs: list[str] = field(
-        default_factory=lambda: ["grpo.rewards:gsm8k_exact_answer_reward"],
+        default_factory=lambda: ["grpo.tasks.rewards:gsm8k_exact_answer_reward"],
         metadata={"help": "reward functions with TRL's signature, as module:function (summed, as TRL sums them)"},
     )
     tools: list[str] = field(
         default_factory=list,
         metadata={
             "help": "tools TRL's GRPOTrainer lets the model call (its tools argument), as module:function, e.g. "
-            "grpo.tool_functions:calculator; needs chat prompts (dataset: generated-tools)"
+            "grpo.tasks.tool_functions:calculator; needs chat prompts (dataset: generated-tools)"
         },
     )
     sync: str = field(
@@ -321,7 +322,7 @@ def tool_problems_dataset(num_problems: int, seed: int):
     TRL's chat template lists the tools beside it), ``answer`` for the reward (scored on the episode's last turn)."""
     from datasets import Dataset
 
-    from grpo.tiny_tools import make_tool_problems, prompt_messages
+    from grpo.tasks.tiny_tools import make_tool_problems, prompt_messages
 
     return Dataset.from_list(
         [
@@ -335,14 +336,14 @@ def tool_tokenizer(model_name_or_path: str):
     """The model's tokenizer, able to parse the turns TRL's tool loop reads calls from (``parse_response``).
 
     TRL sets a response template only for the chat templates of released models (``add_response_schema``); the
-    tool model's (``grpo.tiny_tools.CHAT_TEMPLATE``) is Qwen3's without thinking blocks, so it gets TRL's
+    tool model's (``grpo.tasks.tiny_tools.CHAT_TEMPLATE``) is Qwen3's without thinking blocks, so it gets TRL's
     ``qwen3_template`` without its thinking field: an assistant turn is content, then ``<tool_call>`` JSON blocks,
     then ``<|im_end|>``. Any other tokenizer is left to TRL.
     """
     from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen3_template
 
-    from grpo.tiny_tools import CHAT_TEMPLATE
+    from grpo.tasks.tiny_tools import CHAT_TEMPLATE
 
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     if tokenizer.chat_template == CHAT_TEMPLATE and getattr(tokenizer, "response_template", None) is None:

@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The embedded default model with a short warm-up (some rewards > 0), built once per pytest run."""
-    from grpo.tiny_gsm8k import build_tiny_model
+    from grpo.tasks.tiny_gsm8k import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", warmup_steps=60)
 
@@ -12,7 +12,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_moe_model(tmp_path_factory):
     """The embedded mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) with a short warm-up."""
-    from grpo.tiny_gsm8k import build_tiny_model
+    from grpo.tasks.tiny_gsm8k import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe", size="tiny-moe", warmup_steps=60)
 
@@ -21,6 +21,6 @@ def tiny_moe_model(tmp_path_factory):
 def tiny_tool_model(tmp_path_factory):
     """The embedded tool-use model after a short warm-up on tool conversations only: it calls the calculator in
     well-formed JSON on most problems (copying the result right takes the full warm-up)."""
-    from grpo.tiny_tools import build_tool_model
+    from grpo.tasks.tiny_tools import build_tool_model
 
     return build_tool_model(tmp_path_factory.mktemp("model") / "tools", warmup_steps=100, tool_only_steps=100)

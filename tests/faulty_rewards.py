@@ -2,7 +2,7 @@
 
 import os
 
-from grpo.rewards import gsm8k_exact_answer_reward
+from grpo.tasks.rewards import gsm8k_exact_answer_reward
 
 _calls = 0
 
@@ -24,8 +24,8 @@ def flat_for_two_steps(completions, **kwargs) -> list[float]:
 
 
 def exact_answer_then_sigkill_rank0_in_sync(completions, answer, **kwargs) -> list[float]:
-    """grpo.rewards' exact-answer reward; with SIGKILL_RANK0_IN_SYNC=<k> in the environment (set by the test for one
-    run only), rank 0 kills itself with SIGKILL in the weight sync that follows its k-th call: after
+    """grpo.tasks.rewards' exact-answer reward; with SIGKILL_RANK0_IN_SYNC=<k> in the environment (set by the test for
+    one run only), rank 0 kills itself with SIGKILL in the weight sync that follows its k-th call: after
     /start_weight_update, while the server's workers wait for the LoRA factors of the update."""
     global _calls
     _calls += 1

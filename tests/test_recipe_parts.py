@@ -8,8 +8,8 @@ import torch
 from grpo.config import ConfigError, load_config
 from grpo.data import group_advantages, load_problems, make_batch, reward_columns, select, tokenize_prompts
 from grpo.engines.interface import Sample
-from grpo.rewards import gsm8k_exact_answer_reward
-from grpo.tiny_gsm8k import build_tokenizer
+from grpo.tasks.rewards import gsm8k_exact_answer_reward
+from grpo.tasks.tiny_gsm8k import build_tokenizer
 from padding import no_padding_2_padding, unpad
 
 

@@ -581,7 +581,7 @@ def test_modules_to_save_are_refused_in_server_mode_before_the_server_is_asked()
 
 @pytest.fixture
 def tokenizer_dir(tmp_path):
-    from grpo.tiny_gsm8k import build_tokenizer
+    from grpo.tasks.tiny_gsm8k import build_tokenizer
 
     build_tokenizer().save_pretrained(tmp_path)
     return str(tmp_path)

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.provenance import cpu_kind
-from grpo.tiny_gsm8k import SHIPPED_MODELS, build_tiny_model
-from grpo.tiny_tools import build_tool_model
+from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS, build_tiny_model
+from grpo.tasks.tiny_tools import build_tool_model
 
 BUILDS = {"tiny-qwen3-gsm8k": build_tiny_model, "tiny-qwen3-tools": build_tool_model}
 NOT_PARAMETERS = ("task", "size")  # recorded in the tool build's arguments, fixed by build_tool_model
@@ -33,14 +33,14 @@ def build_arguments(name: str) -> dict:
 
 
 def test_a_fresh_build_copies_the_shipped_one_without_training(tmp_path, monkeypatch):
-    import grpo.tiny_gsm8k
-    import grpo.tiny_tools
+    import grpo.tasks.tiny_gsm8k
+    import grpo.tasks.tiny_tools
 
     def refuse(*args, **kwargs):
         raise AssertionError("trained although a shipped build matches")
 
-    monkeypatch.setattr(grpo.tiny_gsm8k, "_warm_up", refuse)
-    monkeypatch.setattr(grpo.tiny_tools, "_warm_up", refuse)
+    monkeypatch.setattr(grpo.tasks.tiny_gsm8k, "_warm_up", refuse)
+    monkeypatch.setattr(grpo.tasks.tiny_tools, "_warm_up", refuse)
     for name, build in BUILDS.items():
         out = tmp_path / name
         assert build(out, **build_arguments(name)) == str(out)

@@ -6,8 +6,8 @@ import re
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.rewards import extract_answer, gsm8k_exact_answer_reward
-from grpo.tiny_gsm8k import build_tiny_model, build_tokenizer, make_problems, with_slips
+from grpo.tasks.rewards import extract_answer, gsm8k_exact_answer_reward
+from grpo.tasks.tiny_gsm8k import build_tiny_model, build_tokenizer, make_problems, with_slips
 
 
 def test_problems_are_deterministic_per_seed():

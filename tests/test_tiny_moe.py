@@ -1,8 +1,8 @@
-"""The embedded mixture-of-experts model of grpo/tiny_gsm8k.py (size "tiny-moe"), without its warm-up."""
+"""The embedded mixture-of-experts model of grpo/tasks/tiny_gsm8k.py (size "tiny-moe"), without its warm-up."""
 
 import pytest
 
-from grpo.tiny_gsm8k import MOE_SIZES, SIZES, build_tiny_model, new_model
+from grpo.tasks.tiny_gsm8k import MOE_SIZES, SIZES, build_tiny_model, new_model
 from merge.vllm_compat import has_fused_experts
 
 

@@ -1,5 +1,5 @@
 """The embedded tool-use task: the calculator, the chat template, the trained tokenizer and its several token
-sequences per number, the episode text (no model is built here: see ``python -m grpo.tiny_tools``)."""
+sequences per number, the episode text (no model is built here: see ``python -m grpo.tasks.tiny_tools``)."""
 
 import random
 import re
@@ -7,8 +7,8 @@ import re
 import pytest
 from transformers.utils import get_json_schema
 
-from grpo.rewards import extract_answer, gsm8k_exact_answer_reward
-from grpo.tiny_tools import (
+from grpo.tasks.rewards import extract_answer, gsm8k_exact_answer_reward
+from grpo.tasks.tiny_tools import (
     CHAT_TEMPLATE,
     TOOLS,
     build_tool_tokenizer,
@@ -17,7 +17,7 @@ from grpo.tiny_tools import (
     render,
     tool_conversation,
 )
-from grpo.tool_functions import calculator
+from grpo.tasks.tool_functions import calculator
 
 
 @pytest.fixture(scope="module")

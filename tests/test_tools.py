@@ -1,4 +1,4 @@
-"""grpo/tools.py: multi-turn episodes token in / token out on a scripted engine (no model, no vLLM), the tool mask
+"""grpo/episodes/: multi-turn episodes token in / token out on a scripted engine (no model, no vLLM), the tool mask
 through the padded batch and the packed log-probs, misbehaving tools, the budget, the retokenized comparison, and
 the refusals of a bad `tools` entry."""
 
@@ -13,9 +13,12 @@ import torch
 from grpo.config import ConfigError, ToolCallingSettings
 from grpo.data import make_batch, select
 from grpo.engines.interface import Sample
-from grpo.tiny_tools import build_tool_tokenizer, make_tool_problems, render, tool_conversation
-from grpo.tool_functions import calculator
-from grpo.tools import ToolCaller, ToolEngine, load_tools, parse_tool_calls, tool_stats, turn_seed
+from grpo.episodes.formats import parse_tool_calls
+from grpo.episodes.loop import ToolEngine, turn_seed
+from grpo.episodes.metrics import tool_stats
+from grpo.episodes.tools import ToolCaller, load_tools
+from grpo.tasks.tiny_tools import build_tool_tokenizer, make_tool_problems, render, tool_conversation
+from grpo.tasks.tool_functions import calculator
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48"}}\n</tool_call>'
 
@@ -264,13 +267,13 @@ def test_tool_tokens_carry_no_loss_through_the_batch_and_the_packed_log_probs(to
 
 
 def test_a_tool_that_cannot_be_used_is_refused_naming_it():
-    with pytest.raises(ConfigError, match="'grpo.tool_functions:nope' cannot be imported"):
-        load_tools(["grpo.tool_functions:nope"])
+    with pytest.raises(ConfigError, match="'grpo.tasks.tool_functions:nope' cannot be imported"):
+        load_tools(["grpo.tasks.tool_functions:nope"])
     with pytest.raises(ConfigError, match="'json:dumps' cannot be described to the model"):
         load_tools(["json:dumps"])
     with pytest.raises(ConfigError, match="two functions of the same name"):
-        load_tools(["grpo.tool_functions:calculator", "grpo.tool_functions:calculator"])
-    assert load_tools(["grpo.tool_functions:calculator"]) == [calculator]
+        load_tools(["grpo.tasks.tool_functions:calculator", "grpo.tasks.tool_functions:calculator"])
+    assert load_tools(["grpo.tasks.tool_functions:calculator"]) == [calculator]
 
 
 def test_the_recipe_refuses_a_tool_it_cannot_describe_before_the_model_loads(tmp_path):

@@ -113,8 +113,8 @@ def test_the_recipe_refuses_a_task_switch_that_does_not_fit():
     import grpo_trl
 
     with pytest.raises(ValueError, match="need chat prompts"):
-        grpo_trl.TinyGsm8kArguments(tools=["grpo.tool_functions:calculator"])
+        grpo_trl.TinyGsm8kArguments(tools=["grpo.tasks.tool_functions:calculator"])
     with pytest.raises(ValueError, match="other task"):
         grpo_trl.TinyGsm8kArguments(build_tiny="tiny-tools")
     with pytest.raises(ValueError, match="other task"):
-        grpo_trl.TinyGsm8kArguments(dataset="generated-tools", tools=["grpo.tool_functions:calculator"])
+        grpo_trl.TinyGsm8kArguments(dataset="generated-tools", tools=["grpo.tasks.tool_functions:calculator"])

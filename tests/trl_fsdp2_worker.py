@@ -29,7 +29,7 @@ from trl_helpers import (
     randomize_lora_b,
 )
 
-from grpo.tiny_gsm8k import format_prompt, make_problems
+from grpo.tasks.tiny_gsm8k import format_prompt, make_problems
 from merge import decoder_layers
 from merge.trl import check_fsdp2_layout, install_merged_lora_sync, vllm_engine_kwargs
 

@@ -163,7 +163,7 @@ def short_recipe_argv(config: str, out: Path, model: str, run_name: str, *overri
         "--vllm_kv_cache_gb",
         "0.0625",
         "--reward_funcs",
-        "grpo.rewards:gsm8k_exact_answer_reward",
+        "grpo.tasks.rewards:gsm8k_exact_answer_reward",
         "trl_helpers:digit_fraction_reward",
         *overrides,
     ]

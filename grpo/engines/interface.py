@@ -22,7 +22,7 @@ class Sample:
     truncated: bool  # stopped by max_tokens rather than by EOS
     prompt_index: int  # index into the prompt list given to `generate`
     versions: list[int] | None = None  # the policy version that sampled each token (server: vLLM's weight_versions)
-    # multi-turn tool use (grpo.tools): completion_ids hold every token after the prompt, model and tool tokens
+    # multi-turn tool use (grpo.episodes): completion_ids hold every token after the prompt, model and tool tokens
     tool_mask: list[int] | None = None  # TRL's name: 1 on the model's tokens, 0 on tool tokens (no loss)
     turn_of_token: list[int] | None = None  # the model turn (1, 2, ...) that sampled each token, 0 on tool tokens
     tool_calls: int = 0

@@ -93,7 +93,7 @@ def receive_on_every_rank(engine, pending) -> list[Sample]:
 
 def request_intervals(pending, now: float) -> list[tuple[float, float]]:
     """(sent, answered) of each request of ``pending`` that has been answered, (sent, now) of those in flight; of
-    tool episodes (`grpo.tools.PendingEpisodes`), every turn's requests sent so far."""
+    tool episodes (`grpo.episodes.loop.PendingEpisodes`), every turn's requests sent so far."""
     intervals = []
     for part in list(getattr(pending, "turns", [pending])):
         for future in part.futures:

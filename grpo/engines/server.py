@@ -405,7 +405,7 @@ class ServerEngine:
 
     def send(self, prompt_ids: list[list[int]], sampling, seeds: list[int] | None = None) -> PendingGeneration:
         """Send one request per prompt, now (daemon threads; safe from several threads); `receive` collects them.
-        Seeds: ``seeds`` (grpo/tools.py's episodes), or drawn here from the process's RNG as checkpoints save it."""
+        Seeds: ``seeds`` (grpo/episodes/'s episodes), or drawn here from the process's RNG as checkpoints save it."""
         if self.closed:  # an episode's later turn after close() is never sent
             raise EngineStateError("the engine is closed: no request is sent")
         if self.version is None:

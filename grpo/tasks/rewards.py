@@ -1,4 +1,4 @@
-"""Reward functions, named in a config as ``grpo.rewards:<function>`` (``reward_funcs``).
+"""Reward functions, named in a config as ``grpo.tasks.rewards:<function>`` (``reward_funcs``).
 
 Each has TRL's reward-function signature: ``f(completions, **columns) -> list[float | None]``, one value per
 completion (None: not applicable). A parameter without a default names a dataset column the recipe passes

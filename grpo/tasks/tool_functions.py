@@ -1,4 +1,4 @@
-"""Tools a policy may call in a multi-turn rollout, named in a config as ``grpo.tool_functions:<function>``.
+"""Tools a policy may call in a multi-turn rollout, named in a config as ``grpo.tasks.tool_functions:<function>``.
 
 Each is a plain Python function with type hints and a Google-style docstring: transformers' ``get_json_schema``
 turns it into the JSON schema the chat template lists to the model, and a rollout calls it with the parsed arguments

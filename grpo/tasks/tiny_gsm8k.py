@@ -1,4 +1,4 @@
-"""The embedded default: GSM8K-style problems and a small Qwen3 the project builds (its reward: `grpo.rewards`).
+"""The embedded default: GSM8K-style problems and a small Qwen3 the project builds (its reward: `grpo.tasks.rewards`).
 
 No pretrained model can be downloaded on the machines this project is tested on, so the default run trains
 its own: a character-level tokenizer, a ``Qwen3ForCausalLM`` of about a million parameters, and a short
@@ -9,10 +9,10 @@ majority, mostly answers one too high even when its working is right, and a samp
 That is what GRPO, rewarded for exact answers, visibly unlearns in the default run: reward and held-out
 accuracy, greedy and sampled, rise (README). Everything is deterministic from a seed and cached on disk.
 
-    python -m grpo.tiny_gsm8k --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
+    python -m grpo.tasks.tiny_gsm8k --out cache/tiny-qwen3-gsm8k --size tiny --seed 0
 
 The problems have ``openai/gsm8k``'s columns (``question``, and ``answer`` = reasoning + ``#### <int>``),
-and ``grpo.rewards.gsm8k_exact_answer_reward`` has TRL's reward-function signature, so both work with the real
+and ``grpo.tasks.rewards.gsm8k_exact_answer_reward`` has TRL's reward-function signature, so both work with the real
 dataset.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from grpo.provenance import cpu_kind
-from grpo.rewards import gsm8k_exact_answer_reward
+from grpo.tasks.rewards import gsm8k_exact_answer_reward
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea", "Max", "Nia"]
 OBJECTS = ["apples", "pens", "cards", "books", "coins", "shells", "stamps", "eggs", "toys", "cups"]
@@ -233,7 +233,7 @@ def _save_atomically(model, tokenizer, info: dict, out_dir: Path) -> None:
     _write_atomically(out_dir, write)
 
 
-SHIPPED_MODELS = Path(__file__).resolve().parents[1] / "models"  # builds of the default arguments, committed
+SHIPPED_MODELS = Path(__file__).resolve().parents[2] / "models"  # builds of the default arguments, committed
 
 
 def shipped_build(args: dict) -> Path | None:

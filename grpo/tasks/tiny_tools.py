@@ -1,8 +1,8 @@
 """The embedded tool-use task: products the model cannot compute, a calculator it can call, and a small Qwen3.
 
-A second embedded model beside ``grpo.tiny_gsm8k``'s, for multi-turn rollouts. Each problem asks for the product of
-two two-digit numbers ("Ava buys 37 boxes of 48 pens. How many pens?", 1776), which a model of about a million
-parameters cannot work out in its head, and the chat lists one tool, ``grpo.tool_functions.calculator``. The chat
+A second embedded model beside ``grpo.tasks.tiny_gsm8k``'s, for multi-turn rollouts. Each problem asks for the product
+of two two-digit numbers ("Ava buys 37 boxes of 48 pens. How many pens?", 1776), which a model of about a million
+parameters cannot work out in its head, and the chat lists one tool, ``grpo.tasks.tool_functions.calculator``. The chat
 is Qwen3's conversation and tool format without thinking blocks (``CHAT_TEMPLATE``), and the tokenizer a byte-level
 BPE trained here on the task's own conversations: its digit runs merge, so one number has several token sequences
 and re-tokenizing sampled text does not always give back the sampled ids. The supervised warm-up teaches both
@@ -14,10 +14,10 @@ model can only guess. Sampled, the policy then calls the tool on about a third o
 right, and otherwise almost always wrong; greedy decoding follows the majority and answers at once, wrongly. GRPO,
 rewarded for exact answers, has to learn to call the tool. Everything is deterministic from a seed and cached on disk.
 
-    python -m grpo.tiny_tools --out cache/tiny-qwen3-tools --seed 0
+    python -m grpo.tasks.tiny_tools --out cache/tiny-qwen3-tools --seed 0
 
 The problems have ``openai/gsm8k``'s columns (``question``, and ``answer`` = reasoning + ``#### <int>``), so
-``grpo.rewards.gsm8k_exact_answer_reward`` scores an episode's last turn.
+``grpo.tasks.rewards.gsm8k_exact_answer_reward`` scores an episode's last turn.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from types import SimpleNamespace
 import torch
 
 from grpo.engines.interface import Sample
-from grpo.rewards import gsm8k_exact_answer_reward
-from grpo.tiny_gsm8k import NAMES, OBJECTS, cached_build, new_model
-from grpo.tool_functions import calculator
+from grpo.tasks.rewards import gsm8k_exact_answer_reward
+from grpo.tasks.tiny_gsm8k import NAMES, OBJECTS, cached_build, new_model
+from grpo.tasks.tool_functions import calculator
 
 TOOLS = [calculator]
 QUESTIONS = [
@@ -232,7 +232,7 @@ def _generate(model, tokenizer, rows: list[list[int]], *, greedy: bool, max_new_
 
 @dataclass
 class GenerateSampling:
-    """What `grpo.tools.ToolEngine` reads of vLLM's ``SamplingParams``, for `GenerateEngine`."""
+    """What `grpo.episodes.loop.ToolEngine` reads of vLLM's ``SamplingParams``, for `GenerateEngine`."""
 
     n: int = 1
     max_tokens: int = 48
@@ -244,7 +244,7 @@ class GenerateSampling:
 
 class GenerateEngine:
     """HF ``generate`` behind the rollout engines' ``generate`` (`grpo.engines.interface`): the build measures its
-    model with the recipe's own episode loop (`grpo.tools.ToolEngine`), without vLLM."""
+    model with the recipe's own episode loop (`grpo.episodes.loop.ToolEngine`), without vLLM."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -266,11 +266,11 @@ class GenerateEngine:
 
 
 def measure_tool_episodes(model, tokenizer, problems: list[dict], greedy: bool, seed: int = 0) -> dict:
-    """Held-out figures of episodes run by the recipe's loop (`grpo.tools.ToolEngine`) on HF generate: tool-call
+    """Held-out figures of episodes run by the recipe's loop (`grpo.episodes.loop.ToolEngine`) on HF generate: tool-call
     rate, accuracy, accuracy with and without the tool, and the share of episodes whose re-rendered, re-tokenized
     conversation differs from the sampled ids."""
     from grpo.config import ToolCallingSettings
-    from grpo.tools import ToolEngine
+    from grpo.episodes.loop import ToolEngine
 
     model.eval()
     settings = SimpleNamespace(

@@ -22,9 +22,6 @@ name each give the model an error result and count as a failed call (`tools/fail
 from __future__ import annotations
 
 import hashlib
-import importlib
-import json
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,166 +30,12 @@ from functools import partial
 
 import torch
 
-from grpo.config import ConfigError
 from grpo.engines.interface import Sample
+from grpo.episodes.formats import Renderer, parse_tool_calls
+from grpo.episodes.tools import ToolCaller
 from merge.server_health import start_in_daemon_threads
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-TOOL_CALL_OPEN = "<tool_call>"
 
-
-# ----------------------------------------------------------------------------- the tools of a config
-def load_tools(names: list[str] | None) -> list[Callable]:
-    """'module:function' -> the functions, each with a JSON schema from its signature and docstring (as TRL and
-    transformers build it); what cannot be imported or described is a ConfigError naming it."""
-    from transformers.utils import get_json_schema
-
-    tools = []
-    for name in names or []:
-        module_name, sep, attr = name.partition(":")
-        if not sep:
-            raise ConfigError(f"tools entry {name!r} must look like 'module:function'")
-        try:
-            func = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"tools entry {name!r} cannot be imported: {err}") from None
-        if not callable(func):
-            raise ConfigError(f"tools entry {name!r} is not a function")
-        try:
-            get_json_schema(func)
-        except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException
-            raise ConfigError(
-                f"tools entry {name!r} cannot be described to the model: {err} (a tool needs type hints and a "
-                "Google-style docstring with an Args: section)"
-            ) from None
-        tools.append(func)
-    names_seen = [t.__name__ for t in tools]
-    if len(set(names_seen)) != len(names_seen):
-        raise ConfigError(f"tools={names} holds two functions of the same name: the model calls a tool by name")
-    return tools
-
-
-# ----------------------------------------------------------------------------- one turn's tool calls
-def parse_tool_calls(text: str) -> list[dict | str]:
-    """The tool calls of an assistant turn's text, in order: each ``{"name", "arguments"}``, or a string saying
-    why that call is malformed (it still counts as a call, and its result is that error)."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(f"malformed tool call (not JSON: {err.msg}): {body.strip()[:80]!r}")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(f"malformed tool call (no name): {body.strip()[:80]!r}")
-        elif not isinstance(call.get("arguments", {}), dict):
-            calls.append(f"malformed tool call (arguments are not an object): {body.strip()[:80]!r}")
-        else:
-            calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-    if not calls and TOOL_CALL_OPEN in text:  # opened, never closed: the turn ended inside the call
-        calls.append(f"malformed tool call (no closing </tool_call>): {text.split(TOOL_CALL_OPEN, 1)[1][:80]!r}")
-    return calls
-
-
-@dataclass
-class ToolCaller:
-    """Runs tool calls with a time limit and an output cap; every failure becomes an error result."""
-
-    tools: dict[str, Callable]
-    timeout_s: float = 10.0
-    max_output_chars: int = 2000
-
-    def run(self, calls: list[dict | str]) -> list[tuple[str, str, bool]]:
-        """(tool name, result text, failed) per call, the calls run concurrently (daemon threads: a hung tool is
-        abandoned at its timeout, never waited for)."""
-        futures = start_in_daemon_threads([lambda c=c: self._invoke(c) for c in calls], max_workers=8)
-        results = []
-        for call, future in zip(calls, futures):
-            name = call["name"] if isinstance(call, dict) else "unknown"
-            try:
-                value = future.result(timeout=self.timeout_s)
-            except TimeoutError:
-                results.append((name, error_result(f"tool {name!r} timed out after {self.timeout_s:g} s"), True))
-                continue
-            except Exception as err:  # noqa: BLE001 - a tool's own error is the model's result
-                results.append((name, error_result(f"{type(err).__name__}: {err}"), True))
-                continue
-            if not isinstance(value, str):
-                problem = f"tool {name!r} returned {type(value).__name__}, not str"
-                results.append((name, error_result(problem), True))
-            elif len(value) > self.max_output_chars:
-                problem = f"tool {name!r} returned {len(value)} characters, over the cap of {self.max_output_chars}"
-                results.append((name, error_result(problem), True))
-            else:
-                results.append((name, value, False))
-        return results
-
-    def _invoke(self, call: dict | str):
-        if isinstance(call, str):
-            raise ValueError(call)
-        if call["name"] not in self.tools:
-            raise ValueError(f"tool {call['name']!r} not found; the tools are {sorted(self.tools)}")
-        return self.tools[call["name"]](**call["arguments"])
-
-
-def error_result(message: str) -> str:
-    return json.dumps({"error": message})
-
-
-# ----------------------------------------------------------------------------- rendering
-class Renderer:
-    """The chat template's text around the sampled ids: a tool response's ids (alone), and an assistant turn as
-    a re-tokenizing framework would render it again from parsed messages."""
-
-    def __init__(self, tokenizer, tools: list[Callable]):
-        self.tokenizer, self.tools = tokenizer, tools
-        self.eos = tokenizer.eos_token_id
-
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools or None, add_generation_prompt=generation_prompt, tokenize=False
-        )
-
-    def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
-        """TRL's `_get_tool_suffix_ids`: the ids the template puts after an assistant turn's end-of-turn token for
-        these tool messages, through the next assistant header. Rendered alone and tokenized alone."""
-        call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
-        head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        prefix = self.tokenizer(self._render(head, False), add_special_tokens=False).input_ids
-        full = self.tokenizer(self._render(head + tool_messages, True), add_special_tokens=False).input_ids
-        ends = [i for i, t in enumerate(prefix) if t == self.eos]
-        prefix = prefix[: ends[-1] + 1] if ends else prefix
-        if full[: len(prefix)] != prefix:
-            raise ValueError("the chat template's tool suffix does not follow its assistant turn token for token")
-        return full[len(prefix) :]
-
-    def assistant_message(self, turn_ids: list[int], calls: list[dict | str]) -> dict:
-        """An assistant turn as a framework that parses and re-renders keeps it: text, plus its parsed calls."""
-        text = self.tokenizer.decode([t for t in turn_ids if t != self.eos], skip_special_tokens=False)
-        good = [c for c in calls if isinstance(c, dict)]
-        if not good or len(good) != len(calls):  # malformed calls stay in the text as written
-            return {"role": "assistant", "content": text}
-        content = TOOL_CALL.sub("", text).strip()
-        return {
-            "role": "assistant",
-            "content": content,
-            "tool_calls": [{"type": "function", "function": c} for c in good],
-        }
-
-    def retokenized_turn(self, message: dict, ended: bool) -> list[int]:
-        """The ids a re-rendering framework trains on for one assistant turn: the template's text of ``message``
-        (through its end-of-turn token when the turn ``ended``), tokenized as text."""
-        head = [{"role": "user", "content": "dummy"}]
-        start = self._render(head, True)
-        text = self._render(head + [message], False)[len(start) :]
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        ends = [i for i, t in enumerate(ids) if t == self.eos]
-        if not ended:  # cut by the length budget: no end-of-turn token was sampled
-            return ids[: ends[-1]] if ends else ids
-        return ids[: ends[-1] + 1] if ends else ids
-
-
-# ----------------------------------------------------------------------------- episodes
 @dataclass
 class Episode:
     """One conversation after its prompt: each segment (a model turn, or the tool tokens after it) appended."""
@@ -449,31 +292,3 @@ def one_sample(sampling, max_tokens: int):
     turn = sampling.clone()
     turn.n, turn.max_tokens = 1, max_tokens
     return turn
-
-
-# ----------------------------------------------------------------------------- metrics
-def tool_stats(samples: list[Sample]) -> dict[str, float]:
-    """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name)."""
-    if not samples or samples[0].tool_mask is None:
-        return {}
-    return dict(
-        tool_episodes=float(len(samples)),
-        tool_calls=float(sum(s.tool_calls for s in samples)),
-        tool_failures=float(sum(s.tool_failures for s in samples)),
-        tool_turns=float(sum(max(s.turn_of_token, default=0) for s in samples)),
-        tool_episodes_calling=float(sum(s.tool_calls > 0 for s in samples)),
-        tool_episodes_succeeding=float(sum(s.tool_calls > s.tool_failures for s in samples)),
-        tool_drifted=float(sum(s.retokenization_drift for s in samples)),
-    )
-
-
-TURN_GROUPS = {"turn1": (1, 1), "turn2": (2, 2), "turn3plus": (3, None)}
-
-
-def turn_masks(batch: dict, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``mask`` [N, R] restricted to the model tokens of turn 1, turn 2 and turns 3 and later."""
-    turn = batch["turn_of_token"]
-    return {
-        name: mask & (turn >= low) & (turn <= (high if high is not None else turn.max().clamp(min=low)))
-        for name, (low, high) in TURN_GROUPS.items()
-    }

@@ -1,0 +1,36 @@
+"""The per-turn and tool metrics of a rollout step's episodes: this rank's sums (`tool_stats`) and the token masks of
+turn 1, turn 2 and later turns (`turn_masks`), read by grpo.metrics and the recipe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.engines.interface import Sample
+
+
+def tool_stats(samples: list[Sample]) -> dict[str, float]:
+    """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name)."""
+    if not samples or samples[0].tool_mask is None:
+        return {}
+    return dict(
+        tool_episodes=float(len(samples)),
+        tool_calls=float(sum(s.tool_calls for s in samples)),
+        tool_failures=float(sum(s.tool_failures for s in samples)),
+        tool_turns=float(sum(max(s.turn_of_token, default=0) for s in samples)),
+        tool_episodes_calling=float(sum(s.tool_calls > 0 for s in samples)),
+        tool_episodes_succeeding=float(sum(s.tool_calls > s.tool_failures for s in samples)),
+        tool_drifted=float(sum(s.retokenization_drift for s in samples)),
+    )
+
+
+TURN_GROUPS = {"turn1": (1, 1), "turn2": (2, 2), "turn3plus": (3, None)}
+
+
+def turn_masks(batch: dict, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``mask`` [N, R] restricted to the model tokens of turn 1, turn 2 and turns 3 and later."""
+    turn = batch["turn_of_token"]
+    return {
+        name: mask & (turn >= low) & (turn <= (high if high is not None else turn.max().clamp(min=low)))
+        for name, (low, high) in TURN_GROUPS.items()
+    }

@@ -1,0 +1,88 @@
+"""The tools of a config and their calls: `load_tools` ('module:function' -> functions the model can be told about),
+`ToolCaller` (time limit, output cap, concurrency) and the error result a failed call gives the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from grpo.config import ConfigError
+from merge.server_health import start_in_daemon_threads
+
+
+def load_tools(names: list[str] | None) -> list[Callable]:
+    """'module:function' -> the functions, each with a JSON schema from its signature and docstring (as TRL and
+    transformers build it); what cannot be imported or described is a ConfigError naming it."""
+    from transformers.utils import get_json_schema
+
+    tools = []
+    for name in names or []:
+        module_name, sep, attr = name.partition(":")
+        if not sep:
+            raise ConfigError(f"tools entry {name!r} must look like 'module:function'")
+        try:
+            func = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"tools entry {name!r} cannot be imported: {err}") from None
+        if not callable(func):
+            raise ConfigError(f"tools entry {name!r} is not a function")
+        try:
+            get_json_schema(func)
+        except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException
+            raise ConfigError(
+                f"tools entry {name!r} cannot be described to the model: {err} (a tool needs type hints and a "
+                "Google-style docstring with an Args: section)"
+            ) from None
+        tools.append(func)
+    names_seen = [t.__name__ for t in tools]
+    if len(set(names_seen)) != len(names_seen):
+        raise ConfigError(f"tools={names} holds two functions of the same name: the model calls a tool by name")
+    return tools
+
+
+@dataclass
+class ToolCaller:
+    """Runs tool calls with a time limit and an output cap; every failure becomes an error result."""
+
+    tools: dict[str, Callable]
+    timeout_s: float = 10.0
+    max_output_chars: int = 2000
+
+    def run(self, calls: list[dict | str]) -> list[tuple[str, str, bool]]:
+        """(tool name, result text, failed) per call, the calls run concurrently (daemon threads: a hung tool is
+        abandoned at its timeout, never waited for)."""
+        futures = start_in_daemon_threads([lambda c=c: self._invoke(c) for c in calls], max_workers=8)
+        results = []
+        for call, future in zip(calls, futures):
+            name = call["name"] if isinstance(call, dict) else "unknown"
+            try:
+                value = future.result(timeout=self.timeout_s)
+            except TimeoutError:
+                results.append((name, error_result(f"tool {name!r} timed out after {self.timeout_s:g} s"), True))
+                continue
+            except Exception as err:  # noqa: BLE001 - a tool's own error is the model's result
+                results.append((name, error_result(f"{type(err).__name__}: {err}"), True))
+                continue
+            if not isinstance(value, str):
+                problem = f"tool {name!r} returned {type(value).__name__}, not str"
+                results.append((name, error_result(problem), True))
+            elif len(value) > self.max_output_chars:
+                problem = f"tool {name!r} returned {len(value)} characters, over the cap of {self.max_output_chars}"
+                results.append((name, error_result(problem), True))
+            else:
+                results.append((name, value, False))
+        return results
+
+    def _invoke(self, call: dict | str):
+        if isinstance(call, str):
+            raise ValueError(call)
+        if call["name"] not in self.tools:
+            raise ValueError(f"tool {call['name']!r} not found; the tools are {sorted(self.tools)}")
+        return self.tools[call["name"]](**call["arguments"])
+
+
+def error_result(message: str) -> str:
+    return json.dumps({"error": message})
