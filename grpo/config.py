@@ -202,6 +202,12 @@ class PaddingSettings:
     )
 
 
+# vLLM 0.32's registered tool parsers that read a finished turn offline (its `openai` one is a stub: gpt-oss calls
+# go through its Harmony parser); grpo/episodes/parsers.py maps TRL's template families onto them
+VLLM_TOOL_PARSERS = ("hermes", "qwen3_json", "qwen3_xml", "qwen3_coder", "llama3_json", "glm45", "glm47", "lfm2")
+VLLM_TOOL_PARSERS += ("gemma4", "deepseek_v3")
+
+
 @dataclass
 class ToolCallingSettings:
     """How the recipe runs the tools of a multi-turn episode (`tools`; grpo/episodes/)."""
@@ -226,6 +232,13 @@ class ToolCallingSettings:
         16,
         "episodes of one process whose tools may run at once (per_episode; a call's own tools run together)",
         range=">= 1",
+    )
+    parser: str = setting(
+        "auto",
+        "what reads a model turn's tool calls: auto (TRL's response template where TRL knows the chat template, "
+        "else the family's vLLM parser, else regex for <tool_call>{json}</tool_call> templates); trl; regex (the "
+        "hand parser); or a vLLM tool parser by name",
+        choices=("auto", "trl", "regex", *VLLM_TOOL_PARSERS),
     )
 
 

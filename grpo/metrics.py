@@ -84,6 +84,7 @@ def tool_metrics(total: dict) -> dict:
         "tools/call_frequency": calls / episodes,  # TRL's: tool calls per episode
         "tools/failure_frequency": total["tool_failures"] / calls if calls else 0.0,  # TRL's: failed / calls
         "tools/success_frequency": (calls - total["tool_failures"]) / calls if calls else 0.0,
+        "tools/malformed_frequency": total.get("tool_malformed", 0.0) / calls if calls else 0.0,  # unreadable / calls
         "tools/calling_episodes": total["tool_episodes_calling"] / episodes,
         "tools/succeeding_episodes": total["tool_episodes_succeeding"] / episodes,
         "tools/turns_per_episode": total["tool_turns"] / episodes,

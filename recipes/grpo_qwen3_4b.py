@@ -72,6 +72,7 @@ from grpo.checkpointing import checkpoint_path, rng_state, save_adapter, save_ch
 from grpo.data import group_advantages, make_batch, score, select
 from grpo.engines.server import ServerError
 from grpo.episodes.metrics import tool_stats
+from grpo.episodes.tool_watch import ToolUseWatch
 from grpo.faults import StopRequest, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
 from grpo.metrics import log_rollout_step, params_digest, reduce_statistics, step_metrics, write_metrics
@@ -408,6 +409,7 @@ def main(cfg: RecipeConfig) -> None:
     stop = StopRequest()  # after vLLM is built, so that these handlers are the ones in force
 
     signum, rollout_step = 0, run.resumed_rollout_step
+    tool_watch = ToolUseWatch() if run.cfg.tools else None  # reward rising while the tool calls die out
     for rollout_step in range(run.resumed_rollout_step + 1, run.num_rollout_steps + 1):
         t_step, rng_at_start = time.perf_counter(), rng_state()  # the engine samples from the process's RNG
         rows, samples, phases = generation_phase(run, rollout_step)
@@ -428,6 +430,10 @@ def main(cfg: RecipeConfig) -> None:
 
         metrics = log_metrics(run, rollout_step, rewards, batch, phases, update_stats, t_step)
         run.timeline.write(rollout_step, run.rollouts.answered, run.rank)
+        if tool_watch is not None:
+            warning = tool_watch.check(rollout_step, metrics["reward_mean"], metrics["tools/call_frequency"])
+            if warning and run.rank == 0:
+                log.warning(warning)
         if not run.cfg.tool_calling.retokenize:  # that comparison trains on ids the engine never scored
             turns = {k: v for k, v in metrics.items() if k.startswith("rollout_logprob_diff_turn") and "max" not in k}
             run.guard.check(rollout_step, metrics["rollout_logprob_diff_mean"], turns)

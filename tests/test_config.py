@@ -193,6 +193,7 @@ BAD_VALUES = {
     "tool_calling.retokenize": "maybe",
     "tool_calling.schedule": "per_batch",
     "tool_calling.max_concurrent": "0",
+    "tool_calling.parser": "hermes2",
 }
 
 

@@ -13,9 +13,9 @@ import torch
 from grpo.config import ConfigError, ToolCallingSettings
 from grpo.data import make_batch, select
 from grpo.engines.interface import Sample
-from grpo.episodes.formats import parse_tool_calls
 from grpo.episodes.loop import ToolEngine, turn_seed
 from grpo.episodes.metrics import tool_stats
+from grpo.episodes.parsers import parse_tool_calls
 from grpo.episodes.tools import ToolCaller, load_tools
 from grpo.tasks.tiny_tools import build_tool_tokenizer, make_tool_problems, render, tool_conversation
 from grpo.tasks.tool_functions import calculator

@@ -27,6 +27,7 @@ class Sample:
     turn_of_token: list[int] | None = None  # the model turn (1, 2, ...) that sampled each token, 0 on tool tokens
     tool_calls: int = 0
     tool_failures: int = 0
+    tool_malformed: int = 0  # calls the parser could not read (each also counted in tool_failures)
     retokenization_drift: bool = False  # re-rendering and re-tokenizing the episode gives other ids than sampled
 
 

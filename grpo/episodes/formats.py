@@ -1,37 +1,13 @@
-"""The model's tool-call format: the calls parsed from a turn's sampled text, and the chat template's text around
-the sampled ids (`Renderer`: a tool response's ids rendered alone, an assistant turn as a re-tokenizing framework
-would render it again).
+"""The chat template's text around the sampled ids (`Renderer`: a tool response's ids rendered alone, an assistant
+turn as a re-tokenizing framework would render it again); the calls are read by `grpo.episodes.parsers`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-TOOL_CALL_OPEN = "<tool_call>"
-
-
-def parse_tool_calls(text: str) -> list[dict | str]:
-    """The tool calls of an assistant turn's text, in order: each ``{"name", "arguments"}``, or a string saying
-    why that call is malformed (it still counts as a call, and its result is that error)."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(f"malformed tool call (not JSON: {err.msg}): {body.strip()[:80]!r}")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(f"malformed tool call (no name): {body.strip()[:80]!r}")
-        elif not isinstance(call.get("arguments", {}), dict):
-            calls.append(f"malformed tool call (arguments are not an object): {body.strip()[:80]!r}")
-        else:
-            calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-    if not calls and TOOL_CALL_OPEN in text:  # opened, never closed: the turn ended inside the call
-        calls.append(f"malformed tool call (no closing </tool_call>): {text.split(TOOL_CALL_OPEN, 1)[1][:80]!r}")
-    return calls
+from grpo.episodes.parsers import TOOL_CALL
+from grpo.episodes.tool_text import encode_with_tool_text
 
 
 class Renderer:
@@ -52,13 +28,18 @@ class Renderer:
         these tool messages, through the next assistant header. Rendered alone and tokenized alone."""
         call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
         head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        prefix = self.tokenizer(self._render(head, False), add_special_tokens=False).input_ids
-        full = self.tokenizer(self._render(head + tool_messages, True), add_special_tokens=False).input_ids
+        head_text = self._render(head, False)
+        prefix = self.tokenizer(head_text, add_special_tokens=False).input_ids
+        contents = [m["content"] for m in tool_messages]
+        full = encode_with_tool_text(self.tokenizer, self._render(head + tool_messages, True), contents, len(head_text))
         ends = [i for i, t in enumerate(prefix) if t == self.eos]
         prefix = prefix[: ends[-1] + 1] if ends else prefix
         if full[: len(prefix)] != prefix:
             raise ValueError("the chat template's tool suffix does not follow its assistant turn token for token")
-        return full[len(prefix) :]
+        suffix = full[len(prefix) :]
+        if not ends and suffix[:1] == [self.eos]:  # the turn's stop token opens the tool turn (GLM's <|observation|>)
+            return suffix[1:]  # the model sampled it: it ends the turn, and is not the tool's to add again
+        return suffix
 
     def assistant_message(self, turn_ids: list[int], calls: list[dict | str]) -> dict:
         """An assistant turn as a framework that parses and re-renders keeps it: text, plus its parsed calls."""

@@ -31,7 +31,8 @@ from functools import partial
 import torch
 
 from grpo.engines.interface import Sample
-from grpo.episodes.formats import Renderer, parse_tool_calls
+from grpo.episodes.formats import Renderer
+from grpo.episodes.parsers import make_parser
 from grpo.episodes.tools import ToolCaller
 from merge.server_health import start_in_daemon_threads
 
@@ -52,6 +53,7 @@ class Episode:
     tool_responses: list[list[int]] = field(default_factory=list)  # the tool tokens appended after each call turn
     tool_calls: int = 0
     tool_failures: int = 0
+    tool_malformed: int = 0  # calls the parser could not read (each also a failed call)
     truncated: bool = False
 
     def add_turn(self, sample: Sample, calls: list, ended: bool) -> None:
@@ -96,6 +98,7 @@ class ToolEngine:
         self.engine, self.tokenizer = engine, tokenizer
         self.renderer = Renderer(tokenizer, tools)
         settings = cfg.tool_calling
+        self.parser = make_parser(settings.parser, tokenizer, tools)
         self.caller = ToolCaller({t.__name__: t for t in tools}, settings.timeout_s, settings.max_output_chars)
         self.max_iterations = cfg.max_tool_calling_iterations
         self.max_completion_length = cfg.max_completion_length
@@ -208,10 +211,11 @@ class ToolEngine:
         ids = sample.completion_ids
         ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
         with self.tokenizing:
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        calls = parse_tool_calls(text) if ended else []
+            calls = self.parser.calls(ids, episode.prompt_ids + episode.completion_ids)
+        if not ended:  # cut by the budget: its finished calls count and run (as TRL's), the one cut off is no call
+            calls = [c for c in calls if isinstance(c, dict)]
         episode.add_turn(sample, calls, ended)
-        return bool(calls) and len(episode.completion_ids) < self.max_completion_length
+        return bool(calls)  # a turn that called a tool at the budget's end: its calls run and count, as TRL's
 
     def _append_tool_results(self, episode: Episode) -> bool:
         """Run the last turn's calls and append their rendered results (tool tokens); False when the results would
@@ -224,6 +228,7 @@ class ToolEngine:
             suffix = self.renderer.tool_suffix_ids(messages)
         episode.tool_calls += len(results)
         episode.tool_failures += sum(failed for _, _, failed in results)
+        episode.tool_malformed += sum(isinstance(c, str) for c in calls)
         if len(episode.completion_ids) + len(suffix) > self.max_completion_length:
             return False
         episode.add_tool_tokens(suffix)
@@ -276,6 +281,7 @@ class ToolEngine:
             turn_of_token=turn_of,
             tool_calls=episode.tool_calls,
             tool_failures=episode.tool_failures,
+            tool_malformed=episode.tool_malformed,
             retokenization_drift=drifted,
         )
 

@@ -17,6 +17,7 @@ def tool_stats(samples: list[Sample]) -> dict[str, float]:
         tool_episodes=float(len(samples)),
         tool_calls=float(sum(s.tool_calls for s in samples)),
         tool_failures=float(sum(s.tool_failures for s in samples)),
+        tool_malformed=float(sum(s.tool_malformed for s in samples)),
         tool_turns=float(sum(max(s.turn_of_token, default=0) for s in samples)),
         tool_episodes_calling=float(sum(s.tool_calls > 0 for s in samples)),
         tool_episodes_succeeding=float(sum(s.tool_calls > s.tool_failures for s in samples)),

@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from grpo.config import ConfigError
+from grpo.episodes.parsers import typed_arguments
 from merge.server_health import start_in_daemon_threads
 
 
@@ -81,7 +84,10 @@ class ToolCaller:
             raise ValueError(call)
         if call["name"] not in self.tools:
             raise ValueError(f"tool {call['name']!r} not found; the tools are {sorted(self.tools)}")
-        return self.tools[call["name"]](**call["arguments"])
+        tool = self.tools[call["name"]]
+        value = tool(**typed_arguments(tool, call["arguments"]))
+        # an `async def` tool runs to its end here, on the call's own thread and event loop, within the timeout
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
 def error_result(message: str) -> str:
