@@ -211,3 +211,58 @@ def test_the_memory_plan_counts_the_servers_base_and_merge_peak_per_worker():
     assert check_server_fits(on_device, 80 * GIB, cfg) is None  # the control: fits on an 80 GiB GPU
     message = check_server_fits(on_device, 16 * GIB, cfg)
     assert "vllm.server_base_on_device=false" in message and "pristine base (device)" in message
+
+
+def fake_cgroups(tmp_path, monkeypatch, proc: str, files: dict[str, str]) -> None:
+    """A /proc/self/cgroup of ``proc`` and a cgroup mount holding ``files`` (path under the mount -> content)."""
+    from merge.lora_merge import shards
+
+    for path, content in files.items():
+        (tmp_path / "cgroup" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cgroup" / path).write_text(content)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    monkeypatch.setattr(shards, "CGROUP_ROOT", tmp_path / "cgroup", raising=False)
+    monkeypatch.setattr(shards, "PROC_CGROUP", tmp_path / "proc_cgroup", raising=False)
+
+
+@pytest.mark.parametrize("version", ["v2", "v1", "v2 in a container", "none"])
+def test_the_host_memory_check_reads_the_memory_cgroups_limit(tmp_path, monkeypatch, version):
+    """Under a memory cgroup (Kubernetes, Slurm) the host's available memory (psutil) is not what the worker may
+    use: the check reads the cgroup's limit less what it holds that the kernel cannot reclaim (its inactive file
+    cache left out), for the cgroup and each parent, the smallest. Here 100 GiB available on the host, 1.5 GiB
+    left in the cgroup: a 2 GiB base is refused, naming the 1.5 GiB. Control: without cgroup files (or with no
+    limit set), the host's figure, and the same base fits."""
+    from merge.lora_merge import WeightTransferError, shards
+
+    monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(available=100 * GIB))
+    pod = "kubepods/pod-1/container-1"
+    if version == "v2":  # the container's limit and an unlimited parent
+        fake_cgroups(tmp_path, monkeypatch, f"0::/{pod}\n", {
+            f"{pod}/memory.max": f"{8 * GIB}\n", f"{pod}/memory.current": f"{7 * GIB}\n",
+            f"{pod}/memory.stat": f"anon {6 * GIB}\ninactive_file {GIB // 2}\n",
+            "kubepods/pod-1/memory.max": "max\n", "kubepods/pod-1/memory.current": f"{7 * GIB}\n",
+        })  # fmt: skip
+    elif version == "v1":  # the job's limit leaves 2 GiB, its parent's 1.5 GiB: the smaller binds
+        job = "slurm/uid_1/job_2"
+        fake_cgroups(tmp_path, monkeypatch, f"5:cpu,cpuacct:/{job}\n4:memory:/{job}\n0::/\n", {
+            f"memory/{job}/memory.limit_in_bytes": f"{6 * GIB}\n",
+            f"memory/{job}/memory.usage_in_bytes": f"{4 * GIB}\n",
+            f"memory/{job}/memory.stat": "total_inactive_file 0\n",
+            "memory/slurm/uid_1/memory.limit_in_bytes": f"{GIB * 11 // 2}\n",
+            "memory/slurm/uid_1/memory.usage_in_bytes": f"{4 * GIB}\n",
+            "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": f"{5 * GIB}\n",
+        })  # fmt: skip
+    elif version == "v2 in a container":  # /proc names the host's path; the mount's root is the container's cgroup
+        fake_cgroups(tmp_path, monkeypatch, f"0::/{pod}\n", {
+            "memory.max": f"{4 * GIB}\n", "memory.current": f"{GIB * 5 // 2}\n",
+        })  # fmt: skip
+    else:
+        fake_cgroups(tmp_path, monkeypatch, "0::/\n", {"cgroup.controllers": "cpu\n"})
+    if version == "none":  # the control
+        assert shards.cgroup_room() is None and shards.free_bytes(torch.device("cpu")) == 100 * GIB
+        shards.check_room(2 * GIB, 0, "cpu", "cpu")
+        return
+    assert shards.free_bytes(torch.device("cpu")) == GIB * 3 // 2
+    with pytest.raises(WeightTransferError, match=r"needs 2\.00 GiB on cpu .* and 1\.50 GiB is free"):
+        shards.check_room(2 * GIB, 0, "cpu", "cpu")
+    shards.check_room(GIB, 0, "cpu", "cpu")  # what fits in the cgroup

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -228,13 +229,77 @@ def _size(nbytes: float) -> str:
 
 
 def free_bytes(device: torch.device) -> int:
-    """What is free on ``device`` now (after vLLM's KV cache): CUDA's free memory, or the host's available."""
+    """What is free on ``device`` now (after vLLM's KV cache): CUDA's free memory, or the host's available memory
+    within the room this process's memory cgroup leaves (`cgroup_room`), the smaller."""
     if device.type == "cuda":  # plus what this process's caching allocator holds unused: ours to allocate
         idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(torch.cuda.mem_get_info(device)[0] + idle)
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the cgroup file systems are mounted (v1: one folder per controller)
+PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroups, one line per hierarchy: "id:controllers:path"
+# cgroup v2's files, then v1's: the limit, the memory charged, and in memory.stat the file cache not recently used,
+# which the kernel reclaims before it kills (what Kubernetes' working set leaves out)
+CGROUP_FILES = {
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
+NO_LIMIT = 2**60  # v1 writes "no limit" as 2**63 rounded down to a page; v2 writes "max"
+
+
+def _read_count(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(value) for name, _, value in (line.partition(" ") for line in lines) if name == key), 0)
+
+
+def cgroup_room() -> int | None:
+    """What this process's memory cgroups (Kubernetes' and Slurm's limits) still let it allocate: for each cgroup of
+    the memory controller it is in, and each of their parents (a parent's limit binds too), the limit less the memory
+    charged that the kernel cannot reclaim; the smallest. None where no limit is set (psutil's host-wide figure
+    ignores them: a worker under a limit would pass the check and be OOM-killed). cgroup v2 (unified) and v1 alike.
+    In a container the mount shows its own cgroup as the root, while /proc names the path on the host: that path
+    missing, the mount's root is read."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    room = None
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            mount, (limit_file, usage_file, reclaimable) = CGROUP_ROOT, CGROUP_FILES["v2"]
+        elif "memory" in controllers.split(","):
+            mount, (limit_file, usage_file, reclaimable) = CGROUP_ROOT / "memory", CGROUP_FILES["v1"]
+        else:
+            continue
+        folder = mount / path.strip().lstrip("/")
+        if not folder.is_dir():
+            folder = mount
+        while True:
+            limit, usage = _read_count(folder / limit_file), _read_count(folder / usage_file)
+            if limit is not None and usage is not None and limit < NO_LIMIT:
+                left = max(0, limit - max(0, usage - _stat(folder / "memory.stat", reclaimable)))
+                room = left if room is None else min(room, left)
+            if folder == mount or mount not in folder.parents:
+                break
+            folder = folder.parent
+    return room
 
 
 def check_room(
