@@ -413,6 +413,13 @@ def test_an_update_of_tensors_not_declared_at_init_is_refused_before_any_transfe
         engine.update_weights(update_info(transpose=True, round=2))  # a declared target in another shape
     engine.update_weights(update_info(round=3))  # the control
     assert engine.group.issued == ["broadcast"] and engine.pending is not None
+    engine.buffers = {"float32": 20}  # declared at init: each update's buffers, dtype and size
+    wider = update_info(buffers={"float32": 24}, round=4)  # every slot within its buffer, the buffer not the declared
+    with pytest.raises(ValueError, match=r"buffers \{'float32': 24\} .* not those declared at init.*'float32': 20"):
+        engine.update_weights(wider)
+    assert engine.group.issued == ["broadcast"] and "float32': 24" in wire._store_failure(wire.round_store(store, 4))
+    engine.update_weights(update_info(round=5))  # the control: the declared buffers
+    assert engine.group.issued == ["broadcast", "broadcast"]
 
 
 def test_a_failure_posted_in_one_update_ends_that_updates_waits_and_no_later_ones():
@@ -601,6 +608,105 @@ def test_a_retry_after_a_worker_failure_and_after_a_refused_update_succeeds(trai
     update, fifth = lora(5)
     trainer.send_weights(update, weight_version="5")  # the retry
     assert server.version == "5" and all(torch.allclose(w, fifth) for w in served(server).values())
+
+
+def test_an_update_not_as_declared_is_refused_by_the_trainer_naming_it_and_the_connection_stays(
+    trainer_of, monkeypatch
+):
+    """The trainer checks each update against what its connect declared, before anything is sent: a tensor it did
+    not declare, named; factors of another rank (the same targets, other buffers). Before, the first was refused
+    without naming it, and the second was sent. Controls: the declared update lands, on the same connection after."""
+    from merge.lora_merge import WeightTransferError
+
+    server = InProcessServer(monkeypatch)
+    trainer = trainer_of(server)
+    trainer.send_weights(lora(1)[0], weight_version="1")  # the control
+    group, calls = trainer.group, len(server.calls)
+    wider, _ = lora(2)
+    wider.add(
+        {"target": "model.layers.0.mlp.up_proj.weight", "kind": "lora", "scale": 1.0, "transpose": False},
+        [torch.ones(8, 2), torch.ones(2, 4)],
+        [8, 4],
+    )
+    with pytest.raises(
+        WeightTransferError, match=r"1 tensor\(s\) not declared at connect: model\.layers\.0\.mlp\.up_proj"
+    ):
+        trainer.send_weights(wider, weight_version="2")
+    generator = torch.Generator().manual_seed(3)
+    rank_3, _ = lora(3)
+    rank_3.tensors = [torch.randn(SHAPE[0], 3, generator=generator), torch.randn(3, SHAPE[1], generator=generator)]
+    with pytest.raises(WeightTransferError, match=r"buffers \{'float32': 30\} .* not those declared at connect"):
+        trainer.send_weights(rank_3, weight_version="3")
+    assert len(server.calls) == calls and trainer.group is group and server.version == "1"  # nothing was sent
+    update, fourth = lora(4)
+    trainer.send_weights(update, weight_version="4")  # the control, on the same connection
+    assert trainer.group is group and server.version == "4"
+    assert all(torch.allclose(w, fourth) for w in served(server).values())
+
+
+def test_the_restore_after_a_failed_reload_runs_with_the_failed_reloads_tensors_freed(trainer_of, monkeypatch):
+    """A reload that fails (out of memory on a GPU) leaves its merged tensors in its frames, and the update's
+    buffers in the merge's: a restore run while the exception is being handled (its traceback holds those frames)
+    would need that memory on top of its own. The worker restores after leaving the handler, the frames cleared:
+    each failed reload's tensor and the update's buffers are freed when the restore's reload starts. Before, all
+    were alive. Control: they were alive in the failed reload; the retry lands."""
+    import weakref
+
+    from merge.lora_merge import LoraMergeWeightTransferEngine, WeightTransferError
+    from merge.lora_merge import worker as lora_merge_worker
+
+    server = InProcessServer(monkeypatch, workers=1)
+    trainer = trainer_of(server)
+    trainer.send_weights(lora(1)[0], weight_version="1")
+    stand_in, merged = lora_merge_worker._reload, LoraMergeWeightTransferEngine._merged
+    held, alive_at_restore = [], []
+
+    def merged_watched(engine, entries, buffers, stats):
+        if not held:  # the failing update's buffers
+            held.extend(weakref.ref(buffer) for buffer in buffers.values())
+        return merged(engine, entries, buffers, stats)
+
+    def reload(engine, weights):
+        if len(held) == 1:  # the update's reload: its merged tensors in this frame, then out of memory
+            weights = dict(weights)
+            held.append(weakref.ref(weights["w"]))
+            assert all(ref() is not None for ref in held)  # the control: alive while it runs
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if len(held) == 2:  # the restore's
+            alive_at_restore.append([ref() is not None for ref in held])
+        return stand_in(engine, weights)
+
+    monkeypatch.setattr(lora_merge_worker, "_reload", reload)
+    monkeypatch.setattr(LoraMergeWeightTransferEngine, "_merged", merged_watched)
+    with pytest.raises(WeightTransferError, match="OutOfMemoryError.*serves the previous version again"):
+        trainer.send_weights(lora(2)[0], weight_version="2")
+    assert alive_at_restore == [[False, False]]  # the update's buffer and the failed reload's tensor: freed
+    held.append(None)  # the retry's reload runs as the stand-in's
+    update, third = lora(3)
+    trainer.send_weights(update, weight_version="3")
+    assert server.version == "3" and torch.allclose(served(server)[1], third)
+
+
+def test_a_worker_count_other_than_the_servers_is_refused_by_the_workers_before_joining(trainer_of, monkeypatch):
+    """A trainer whose client cannot ask the server its worker count (vLLM's own clients, a Ray actor's) and
+    declares 3 to a server of 2: every worker refuses before joining, in the trainer's store, naming both counts,
+    and the trainer stops at once. Before, the trainer waited for a third worker until the connect's timeout. The
+    control: 2 declared connect."""
+    from merge.lora_merge import LoraMergeTrainer, LoraMergeTrainerInitInfo, WeightTransferError
+
+    monkeypatch.setattr(wire, "STORE_CONNECT_S", 2.0, raising=False)  # a worker joining when the trainer gives up
+    server = InProcessServer(monkeypatch)
+    assert not hasattr(server, "server_workers")
+    info = LoraMergeTrainerInitInfo(rank=0, num_workers=3, timeout_s=30, connect_timeout_s=8, precision_stats=False)
+    wrong = LoraMergeTrainer(client=server, init_info=info)
+    with pytest.raises(
+        WeightTransferError, match=r"rank \d failed: lora_merge init: the trainer declared 3 workers, the server has 2"
+    ):
+        wrong.send_weights(lora(1)[0], weight_version="1")
+    server.idle()
+    assert server.version == "0" and all(engine.group is None for engine in server.engines.values())
+    trainer_of(server).send_weights(lora(1)[0], weight_version="1")  # the control: 2 declared
+    assert server.version == "1"
 
 
 def test_a_finish_that_fails_on_one_worker_leaves_every_worker_on_the_labelled_version(trainer_of, monkeypatch):

@@ -129,3 +129,59 @@ def test_the_workers_reach_the_trainer_at_its_address_on_the_route_to_the_server
         pytest.skip("this machine has no network interface but the loopback")
     assert all(local_address_towards(address) == address for address in own), own
     assert local_address_towards("192.0.2.1") in own  # TEST-NET-1: the default route's interface (nothing is sent)
+
+
+def in_a_thread(target) -> tuple[threading.Thread, list]:
+    """``target()`` on a daemon thread; the list gets what it raised or returned."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(target())
+        except BaseException as error:  # noqa: BLE001 - what the test looks at
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_worker_that_cannot_reach_the_trainers_store_stops_within_seconds_naming_the_address(monkeypatch):
+    """A worker's connect holds its engine's busy loop, the whole server: the trainer's store listens before the
+    server is called, so one that is not there within a few seconds (an address the server cannot reach, a trainer
+    that died first) is given up, naming the address, not waited for under the connect's 30 minutes (here 60 s).
+    Control: a store that listens is joined."""
+    from merge.lora_merge import WeightTransferError, wire
+
+    monkeypatch.setattr(wire, "STORE_CONNECT_S", 1.0, raising=False)
+    port = free_port()  # nothing listens there
+    thread, outcome = in_a_thread(lambda: wire.connect("127.0.0.1", port, 1, 2, "gloo", 60, "lora_merge init"))
+    thread.join(20)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], WeightTransferError)
+    assert f"cannot reach the trainer's store at 127.0.0.1:{port} within 1 s" in str(outcome[0])
+
+    listening = torch.distributed.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)  # the control
+    store = wire._store("127.0.0.1", port, 1, 2, timedelta(seconds=60), "lora_merge init")
+    store.set("joined", "1")
+    assert listening.get("joined") == b"1"
+
+
+def test_a_worker_on_nccl_waits_for_the_trainers_gpu_name_for_seconds_only(monkeypatch):
+    """Over NCCL a worker reads which GPU the trainer uses from its store (`_refuse_a_shared_device`); a trainer
+    that never names it (gone before it did) is given up within seconds, not at the store's timeout (here 60 s).
+    Control: a trainer that named another GPU lets the worker go on."""
+    from merge.lora_merge import WeightTransferError, wire
+
+    monkeypatch.setattr(wire, "STORE_CONNECT_S", 1.0, raising=False)
+    port = free_port()
+    trainer = torch.distributed.TCPStore(
+        "127.0.0.1", port, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
+    worker = torch.distributed.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))
+    thread, outcome = in_a_thread(lambda: wire._refuse_a_shared_device(worker, 1, "GPU-1", "lora_merge init"))
+    thread.join(20)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], WeightTransferError) and "did not name its GPU" in str(outcome[0])
+    trainer.set("trainer_device", "GPU-0")  # the control
+    assert wire._refuse_a_shared_device(worker, 1, "GPU-1", "lora_merge init") is None

@@ -217,10 +217,11 @@ KILLED_TRAINER = textwrap.dedent("""
     update = __import__("merge.lora_merge", fromlist=["lora_update"]).lora_update(policy(model_dir, seed=3))
     trainer = LoraMergeTrainer.connect(url, rank=0)
     entries, buffers = update.packed()
-    trainer._connect(update.shapes, sum(b.numel() * b.element_size() for b in buffers.values()))
+    sizes = {dtype: b.numel() for dtype, b in buffers.items()}
+    trainer._connect(update.shapes, sizes, sum(b.numel() * b.element_size() for b in buffers.values()))
     trainer.client.start_weight_update()
     call = ThreadPoolExecutor(1).submit(trainer.client.update_weights, asdict(LoraMergeUpdateInfo(
-        entries=entries, buffers={dtype: b.numel() for dtype, b in buffers.items()})))
+        entries=entries, buffers=sizes)))
     for buffer in buffers.values():  # every factor arrives: only /finish_weight_update is missing
         broadcast(trainer.group, buffer).wait()
     call.result()
@@ -844,6 +845,36 @@ def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_
         engine.sync_policy(other, None, version=99, rank=0)
     assert requests.get(f"{url}/is_paused").json()["is_paused"] is False  # resumed after the refusal
     engine.close()
+
+
+def test_an_update_of_an_undeclared_tensor_is_refused_at_once_naming_it_and_the_next_lands(server):
+    """The trainer declared q_proj at connect; an update that also names down_proj is refused by the trainer itself,
+    naming it; past that check (the trainer's record of its targets bypassed), by the server's worker before any
+    byte moves, and the trainer's error names it too, instead of gloo's send timeout. Controls: the declared update
+    lands before, and the next one lands after, its version served."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from merge.lora_merge import LoraMergeTrainer, WeightTransferError
+
+    url, model_dir = server
+
+    def adapter(*modules):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return get_peft_model(model, LoraConfig(r=2, target_modules=list(modules)))
+
+    declared, wider = adapter("q_proj"), adapter("q_proj", "down_proj")
+    trainer = LoraMergeTrainer.connect(url, rank=0, timeout=20, precision_stats=False)
+    try:
+        trainer.send_weights(declared, weight_version="declared-1")  # the control
+        trainer._refuse_undeclared = lambda shapes, sizes: None  # past the trainer's own check: the worker's
+        with pytest.raises(WeightTransferError, match=r"rank 1 failed: .*not declared at init.*down_proj"):
+            trainer.send_weights(wider, weight_version="wider")
+        assert requests.get(f"{url}/weight_info").json()["weight_version"] == "declared-1"
+        trainer.send_weights(declared, weight_version="declared-2")  # the retry
+        assert requests.get(f"{url}/weight_info").json()["weight_version"] == "declared-2"
+    finally:
+        trainer.shutdown()
 
 
 def test_pristine_base_is_the_checkpoint_in_the_engine_dtype(tiny_model):

@@ -173,7 +173,8 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         super().__init__(client=client, source=None, is_sender=init_info.is_sender)
         self.init_info = init_info
         self.group = self.store = None
-        self.targets: dict[str, list[int]] | None = None
+        self.targets: dict[str, list[int]] | None = None  # what the connect declared: name -> shape
+        self.buffers: dict[str, int] | None = None  # and each update's buffers: dtype name -> elements
         self.rounds = 0  # updates sent: each one's number (`wire.round_store`)
         self.last_sync: dict[str, float] = {}  # bytes and seconds of the last send_weights (rank 0)
 
@@ -212,7 +213,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             client = LLMWeightSyncClient(url_or_llm)
         return cls(client=client, init_info=LoraMergeTrainerInitInfo(rank=rank, timeout_s=timeout, **settings))
 
-    def _connect(self, targets: dict[str, list[int]], factor_bytes: int) -> None:
+    def _connect(self, targets: dict[str, list[int]], buffers: dict[str, int], factor_bytes: int) -> None:
         info = self.init_info
         workers = self.client.server_workers() if hasattr(self.client, "server_workers") else info.num_workers
         if workers != info.num_workers:  # the group would wait for ranks that never come, until its timeout
@@ -228,6 +229,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
                 world_size=1 + info.num_workers,
                 targets=targets,
                 factor_bytes=factor_bytes,
+                buffers=buffers,
                 transport=info.transport,
                 base_on_device=info.base_on_device,
                 timeout_s=info.timeout_s,
@@ -253,7 +255,7 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             raise
         finally:
             pool.shutdown(wait=False)  # never wait on a call stuck behind a failed transfer
-        self.targets = targets
+        self.targets, self.buffers = targets, buffers
 
     def _start(self) -> None:
         try:
@@ -278,12 +280,12 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
             return {}
         start = time.perf_counter()
         entries, buffers = update.packed()
-        if self.group is None:  # the first sync, or the first after a failed one
-            self._connect(update.shapes, sum(b.numel() * b.element_size() for b in buffers.values()))
-        elif update.shapes != self.targets:
-            raise WeightTransferError(f"{BACKEND}: the adapter's targets changed since the first sync")
-        self.rounds += 1
         sizes = {dtype: b.numel() for dtype, b in buffers.items()}
+        if self.group is None:  # the first sync, or the first after a failed one
+            self._connect(update.shapes, sizes, sum(b.numel() * b.element_size() for b in buffers.values()))
+        else:
+            self._refuse_undeclared(update.shapes, sizes)
+        self.rounds += 1
         info = LoraMergeUpdateInfo(entries=entries, buffers=sizes, round=self.rounds)
         try:
             reply, sent = self._update(info, buffers, weight_version)
@@ -300,6 +302,29 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
         stats.sums = torch.tensor([reply[k] for k in MergePrecisionStats.FIELDS], dtype=torch.float64)
         stats.entries, stats.tensors = reply["entries"], reply["tensors"]
         return stats.metrics()
+
+    def _refuse_undeclared(self, shapes: dict[str, list[int]], sizes: dict[str, int]) -> None:
+        """The trainer's own check of an update against what its connect declared (the workers check it too, as
+        vLLM's engines refuse names not declared at init, before any transfer): refused naming the first difference,
+        before anything is sent; the connection stays for the next update."""
+        changed = "the adapter changed since the first sync: shutdown() and send again to connect with it"
+        undeclared = [name for name in shapes if name not in self.targets]
+        if undeclared:
+            named = ", ".join(undeclared[:5]) + (", ..." if len(undeclared) > 5 else "")
+            raise WeightTransferError(
+                f"{BACKEND}: the update names {len(undeclared)} tensor(s) not declared at connect: {named}; {changed}"
+            )
+        for name, shape in self.targets.items():
+            if shapes.get(name) != shape:
+                made = f"makes it {shapes[name]}" if name in shapes else "leaves it out"
+                raise WeightTransferError(
+                    f"{BACKEND}: {name}: the update {made}, declared at connect as {shape}; {changed}"
+                )
+        if sizes != self.buffers:
+            raise WeightTransferError(
+                f"{BACKEND}: the update's buffers {sizes} (dtype: elements) are not those declared at connect, "
+                f"{self.buffers}; {changed}"
+            )
 
     def _update(self, info: LoraMergeUpdateInfo, buffers: dict[str, torch.Tensor], weight_version) -> tuple[dict, int]:
         """One update on the group: ``/start_weight_update``, the buffers broadcast while ``/update_weights`` makes
@@ -328,4 +353,4 @@ class LoraMergeTrainer(TrainerWeightTransferEngine[LoraMergeTrainerInitInfo]):
 
     def shutdown(self) -> None:
         close_group(self.group, self.init_info.transport)
-        self.group = self.store = self.targets = None
+        self.group = self.store = self.targets = self.buffers = None

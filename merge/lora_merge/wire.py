@@ -43,6 +43,7 @@ TRANSPORTS = ("gloo", "nccl")
 FAILED = "worker_failed"  # the store key of the first failure a worker posted (`post_failure`)
 ARRIVED = "workers_arrived"  # the store key the workers count themselves on before joining (`connect`)
 PROBE_S = 0.1  # how often a wait looks at the store
+STORE_CONNECT_S = 30.0  # how long a worker tries to reach the trainer's store, listening before the server is called
 
 # torch's ProcessGroupNCCL reads these once, in its constructor (ProcessGroupNCCL.hpp). TORCH_NCCL_ASYNC_ERROR_HANDLING
 # defaults to 3 (SkipCleanUp: a collective past its timeout tears the process down, which on a worker is the vLLM
@@ -164,9 +165,7 @@ def connect(
     if transport not in TRANSPORTS:
         raise ValueError(f"{BACKEND}: transport={transport!r} is not one of 'gloo' (CPU), 'nccl' (GPU)")
     timeout = timedelta(seconds=timeout_s)
-    # the trainer's side answers at once: it is watched for failures while the workers join
-    store = torch.distributed.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-    store = torch.distributed.PrefixStore(BACKEND, store)
+    store = torch.distributed.PrefixStore(BACKEND, _store(host, port, rank, world_size, timeout, what))
 
     device = wire_device(transport)  # the caller's: a new thread's current CUDA device is the first one
     if transport == "nccl":
@@ -195,6 +194,37 @@ def connect(
             close_group(joining.group, transport)
             raise
     return joining.group, store
+
+
+def _store(host: str, port: int, rank: int, world_size: int | None, timeout: timedelta, what: str):
+    """The group's TCPStore: rank 0 (the trainer) hosts it, before it calls the server (its side answers at once: it
+    is watched for failures while the workers join); a worker reaches it within `STORE_CONNECT_S`, not the
+    connect's timeout: a worker's connect holds its engine's busy loop, the whole server, and a store that is not
+    there within seconds (an address the server cannot reach, a trainer that died first) will not come."""
+    if rank == 0:
+        return torch.distributed.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False)
+    try:
+        store = torch.distributed.TCPStore(
+            host, port, world_size, False, timeout=timedelta(seconds=STORE_CONNECT_S), wait_for_workers=False
+        )
+    except torch.distributed.DistError as error:
+        raise WeightTransferError(
+            f"{what}: the server cannot reach the trainer's store at {host}:{port} within {STORE_CONNECT_S:g} s "
+            f"({type(error).__name__}): the trainer is gone, or the server cannot reach {host} (a firewall, another "
+            "network): connect with a master_address of the trainer's that the server can reach"
+        ) from None
+    store.set_timeout(timeout)
+    return store
+
+
+def refuse_before_joining(host: str, port: int, rank: int, what: str, message: str) -> None:
+    """A worker that cannot join (the group the trainer declared is not the server's) says why in the trainer's
+    store, where the trainer waits for the workers to arrive, and raises; it never joins."""
+    store = torch.distributed.PrefixStore(
+        BACKEND, _store(host, port, rank, None, timedelta(seconds=STORE_CONNECT_S), what)
+    )
+    post_failure(store, rank, f"{what}: {message}")
+    raise WeightTransferError(worker_failure(rank, f"{what}: {message}"))
 
 
 def _wait_for_arrivals(store, workers: int, what: str, pending_call, timeout_s: float) -> None:
@@ -232,7 +262,16 @@ def _refuse_a_shared_device(store, rank: int, mine: str | None, what: str) -> No
     if rank == 0:
         store.set("trainer_device", mine or "")
         return
-    if mine is not None and store.get("trainer_device").decode() == mine:
+    if mine is None:
+        return
+    try:  # the trainer names it before it calls the server: a short wait, which a dead trainer's closed store ends
+        store.wait(["trainer_device"], timedelta(seconds=STORE_CONNECT_S))
+    except torch.distributed.DistError as error:
+        raise WeightTransferError(
+            f"{what}: the trainer did not name its GPU in its store within {STORE_CONNECT_S:g} s "
+            f"({type(error).__name__}): it is gone"
+        ) from None
+    if store.get("trainer_device").decode() == mine:
         message = (
             f"{what}: it runs on the trainer's GPU ({mine}), and NCCL cannot join two ranks on one GPU: give the "
             "server GPUs of its own (CUDA_VISIBLE_DEVICES), or train with vllm.mode=colocate"

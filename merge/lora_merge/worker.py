@@ -20,11 +20,14 @@ succeeded serves the previous version again when another's failed.
 
 Contract (vLLM's own backends check their update infos the same way): an update is checked before anything is
 received (`LoraMergeUpdateInfo`: dtype names, slots and sizes; `receive_weights`: only the tensors declared at
-``init_weight_transfer_engine``, in their declared shapes), and a refusal is a ``ValueError`` naming the bad value.
+``init_weight_transfer_engine``, in their declared shapes and buffers), and a refusal is a ``ValueError`` naming the
+bad value, posted to the trainer's store, where the trainer's wait sees it. A trainer that declares another worker
+count than the server's is refused by every worker before it joins the group, the same way.
 """
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -49,6 +52,7 @@ from merge.lora_merge.wire import (
     connect,
     exchange,
     post_failure,
+    refuse_before_joining,
     round_store,
     set_timeout,
     wait,
@@ -71,6 +75,7 @@ class LoraMergeInitInfo(WeightTransferInitInfo):
     transport: str = "gloo"
     base_on_device: bool = False  # keep the pristine base on the engine's device (default: host memory)
     factor_bytes: int = 0  # one update's buffers, as the trainer packs them (`LoraUpdate.packed`)
+    buffers: dict[str, int] | None = None  # each update's flat buffers, dtype name -> elements (None: not declared)
     timeout_s: float = 600.0  # each update's collectives
     connect_timeout_s: float = 1800.0  # joining and the reply after it, while every worker reads its base
     update: str = "lora"  # "full": whole weights arrive, no pristine base is kept
@@ -162,6 +167,18 @@ def _reload(engine, weights) -> None:
     audit.check(set())
 
 
+def _forget_frames(error: BaseException) -> None:
+    """Drop what the frames of a failed reload still hold (its merged tensors, the update's buffers, vLLM's layer
+    being loaded): a traceback keeps every frame it passed through alive, locals and all, as long as the exception is
+    being handled, so a restore run there would need the failed reload's memory on top of its own (about twice the
+    merge's peak on a GPU that just ran out). The frames' locals are cleared, along the exception's whole chain."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
 class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, LoraMergeUpdateInfo]):
     """Worker side: pristine base from the checkpoint, factors buffered per update, merged at finish."""
 
@@ -170,6 +187,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
     # vLLM's base says True, and its worker would then retarget this engine at a speculative draft model: its own
     # weights, which neither the pristine base (read for the target model's targets) nor the shards describe
     supports_draft_weight_update = False
+    buffers: dict[str, int] | None = None  # each update's buffers as init declared them (`LoraMergeInitInfo.buffers`)
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -200,6 +218,17 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.precision_stats = init_info.precision_stats
         self.factor_bytes = init_info.factor_bytes
         self.rank, self.world_size = rank, init_info.world_size
+        self.buffers = dict(init_info.buffers) if init_info.buffers is not None else None
+        workers = self._server_workers()
+        if init_info.world_size - init_info.rank_offset != workers:  # the group would wait for ranks that never come
+            refuse_before_joining(
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                f"{BACKEND} init",
+                f"the trainer declared {init_info.world_size - init_info.rank_offset} workers, the server has "
+                f"{workers} (tensor x pipeline x data parallel): connect with num_workers={workers}",
+            )
         self.group, self.trainer_store = connect(
             init_info.master_address,
             init_info.master_port,
@@ -230,6 +259,12 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
             }
         )
         set_timeout(self.group, init_info.timeout_s)  # the base is read: updates get the shorter timeout
+
+    def _server_workers(self) -> int:
+        """The server's workers, every data-parallel engine's (what vLLM's ``/get_world_size`` answers)."""
+        parallel = self.parallel_config
+        across = getattr(parallel, "world_size_across_dp", None)
+        return across if isinstance(across, int) else parallel.world_size * getattr(parallel, "data_parallel_size", 1)
 
     def _refuse_unmergeable_server(self) -> None:
         """A quantized server (``--quantization``, an online fp8 of an unquantized checkpoint included) would quantize
@@ -313,7 +348,8 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
 
     def _check_declared(self, update_info: LoraMergeUpdateInfo) -> None:
         """Refuse, before anything is received, an update of tensors the trainer did not declare at init (the base
-        kept is theirs: another would be served unchanged under the new version), or of another shape."""
+        kept is theirs: another would be served unchanged under the new version), of another shape, or in other
+        buffers (dtypes, sizes) than it declared (what the room for two updates was checked for)."""
         undeclared = [entry["target"] for entry in update_info.entries if entry["target"] not in self.targets]
         if undeclared:
             named = ", ".join(undeclared[:5]) + (", ..." if len(undeclared) > 5 else "")
@@ -332,6 +368,11 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
                     f"{BACKEND}: {entry['target']}: the update makes it {shape}, declared at init as "
                     f"{self.targets[entry['target']]}"
                 )
+        if self.buffers is not None and update_info.buffers != self.buffers:
+            raise ValueError(
+                f"{BACKEND}: the update's buffers {update_info.buffers} (dtype: elements) are not those declared at "
+                f"init_weight_transfer_engine, {self.buffers}"
+            )
 
     def receive_weights(self, update_info: LoraMergeUpdateInfo) -> None:
         if self.group is None:
@@ -364,16 +405,21 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
         self.pending = None
         stats = MergePrecisionStats() if self.precision_stats else None
         store = round_store(self.trainer_store, self.round)
+        failure = None
         try:
             _reload(self, self._merged(entries, buffers, stats))
-        except Exception as error:
+        except Exception as error:  # restored below, outside this block (`_forget_frames`)
+            failure = error
+        if failure is not None:
+            del entries, buffers  # the failed update's: the restore rebuilds from `applied`
+            _forget_frames(failure)
             outcome = (
                 "the server serves the previous version again"
                 if self._restore(part_way=True)
                 else "the server's weights are incomplete: restart it"
             )
-            self._reply({"ok": False, "error": f"{type(error).__name__}: {error}; {outcome}"}, store)
-            raise
+            self._reply({"ok": False, "error": f"{type(failure).__name__}: {failure}; {outcome}"}, store)
+            raise failure
         try:
             source, reply = self._reply({"ok": True, **(stats.totals() if stats is not None else {})}, store)
         except Exception:
@@ -443,7 +489,7 @@ class LoraMergeWeightTransferEngine(WeightTransferEngine[LoraMergeInitInfo, Lora
 
     def shutdown(self) -> None:
         self.pending = None
-        self.base, self.shards, self.targets = {}, {}, {}
+        self.base, self.shards, self.targets, self.buffers = {}, {}, {}, None
         if self.pinned is not None:
             unpin_host_buffer(self.pinned)
             self.pinned = None
