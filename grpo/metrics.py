@@ -56,6 +56,25 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
     return reduce_across_ranks(**kinds)
 
 
+def fidelity_totals(batch: dict) -> dict:
+    """Collective: what the log-prob guard judges before the update (`grpo.faults.LogprobGuard.check`): the sum,
+    count and largest |vLLM - trainer| log-prob over every rank's scored tokens, and the same on the model tokens of
+    each turn group of multi-turn episodes (``logprob_diff_turn1_sum``, ...)."""
+    mask = batch.get("fidelity_mask", batch["response_mask"].bool())
+    diff = (batch["vllm_logprobs"] - batch.get("fidelity_logprobs", batch["old_logprobs"])).abs()[mask]
+    local = dict(
+        logprob_diff_sum=diff.sum().item(),
+        logprob_diff_count=float(diff.numel()),
+        logprob_diff_max=diff.max().item() if diff.numel() else 0.0,
+    )
+    if "turn_of_token" in batch:
+        local.update({k: v for k, v in per_turn_statistics(batch, mask).items() if k.startswith("logprob_diff_")})
+    return reduce_across_ranks(
+        sums={k: v for k, v in local.items() if not k.endswith("_max")},
+        maxs={k: v for k, v in local.items() if k.endswith("_max")},
+    )
+
+
 def per_turn_statistics(batch: dict, mask: torch.Tensor) -> dict:
     """|vLLM - trainer| and the trainer-over-vLLM probability ratio on the model tokens of turn 1, 2 and 3+."""
     from grpo.episodes.metrics import turn_masks

@@ -75,7 +75,14 @@ from grpo.episodes.metrics import tool_stats
 from grpo.episodes.tool_watch import ToolUseWatch
 from grpo.faults import StopRequest, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
-from grpo.metrics import log_rollout_step, params_digest, reduce_statistics, step_metrics, write_metrics
+from grpo.metrics import (
+    fidelity_totals,
+    log_rollout_step,
+    params_digest,
+    reduce_statistics,
+    step_metrics,
+    write_metrics,
+)
 from grpo.parallel import gather_across_ranks, reduce_across_ranks
 from grpo.policy_versions import sampler_log_probs
 from grpo.run import Run, setup
@@ -272,6 +279,19 @@ def update(run: Run, batch: dict, rollout_step: int) -> dict:
     return {name: value.item() for name, value in totals.items()}
 
 
+def update_phase(run: Run, rows: list[dict], samples: list, rollout_step: int) -> tuple:
+    """3-5. Rewards, the training batch and its old log-probs; the log-prob guard judges them (a collective) before
+    the update may change the weights. Returns (rewards, batch, update statistics, the phase's seconds)."""
+    rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
+    t0 = time.perf_counter()
+    batch = training_batch(run, samples, advantages)
+    old_log_probs(run, batch, rollout_step)
+    if not run.cfg.tool_calling.retokenize:  # that comparison trains on ids the engine never scored
+        run.guard.check(rollout_step, fidelity_totals(batch))
+    update_stats = update(run, batch, rollout_step)
+    return rewards, batch, update_stats, time.perf_counter() - t0
+
+
 def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, update_stats: dict, t_step: float) -> dict:
     """6. Reduce this rollout step's statistics across ranks by name, append them to metrics.jsonl (rank 0)."""
     total = reduce_statistics(rewards, batch, phases, update_stats, run.device)
@@ -421,12 +441,7 @@ def main(cfg: RecipeConfig) -> None:
             break
 
         with run.timeline.span("update"):
-            rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
-            t0 = time.perf_counter()
-            batch = training_batch(run, samples, advantages)
-            old_log_probs(run, batch, rollout_step)
-            update_stats = update(run, batch, rollout_step)
-            phases["update_s"] = time.perf_counter() - t0
+            rewards, batch, update_stats, phases["update_s"] = update_phase(run, rows, samples, rollout_step)
 
         metrics = log_metrics(run, rollout_step, rewards, batch, phases, update_stats, t_step)
         run.timeline.write(rollout_step, run.rollouts.answered, run.rank)
@@ -434,9 +449,6 @@ def main(cfg: RecipeConfig) -> None:
             warning = tool_watch.check(rollout_step, metrics["reward_mean"], metrics["tools/call_frequency"])
             if warning and run.rank == 0:
                 log.warning(warning)
-        if not run.cfg.tool_calling.retokenize:  # that comparison trains on ids the engine never scored
-            turns = {k: v for k, v in metrics.items() if k.startswith("rollout_logprob_diff_turn") and "max" not in k}
-            run.guard.check(rollout_step, metrics["rollout_logprob_diff_mean"], turns)
         signum = stop.agreed()
         if signum or run.save_due(rollout_step):
             save(run, rollout_step)
