@@ -1,6 +1,7 @@
 """What the benchmarks (and the tests that check their measurements) share: the machine, LoRA models, memory.
 
-- `machine_info`: what ran a benchmark (CPU, memory, load, package versions), written into its JSON.
+- `machine_info`: what ran a benchmark (the commit and whether the code differed from it, CPU, memory, load, package
+  versions), written into its JSON; `write_report` adds the same as `provenance` (GPU kind included).
 - `with_random_lora`: a peft LoRA whose lora_B is non-zero, so that merged weights differ from the base.
 - `rss_peak_during`: the peak extra resident memory while a function runs (sampled from a thread).
 - `merge_unmerge_drift`: how far peft's in-place merge/unmerge moves the trainer's weights, vs merged_lora_params.
@@ -32,10 +33,12 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def machine_info() -> dict:
-    """What ran the benchmark: CPU model and kind, count, memory, OS, load at the time, package versions."""
-    from grpo.provenance import cpu_kind, package_versions
+    """What ran the benchmark: the commit and whether the code differed from it, CPU model and kind, count, memory,
+    OS, load at the time, package versions."""
+    from grpo.provenance import cpu_kind, git_state, package_versions
 
     return dict(
+        **git_state(ROOT),
         **cpu_kind(),
         logical_cpus=psutil.cpu_count(),
         physical_cpus=psutil.cpu_count(logical=False),
@@ -48,7 +51,11 @@ def machine_info() -> dict:
 
 
 def write_report(report: dict, out: str | None) -> None:
-    """Print ``report`` as JSON, and write it to ``out`` (its folder made) where one is given."""
+    """Print ``report`` as JSON with its ``provenance`` (the commit, whether the code differed from it, the CPU or
+    GPU kind, package versions), and write it to ``out`` (its folder made) where one is given."""
+    from grpo.provenance import provenance
+
+    report = {**report, "provenance": provenance(ROOT)}
     text = json.dumps(report, indent=2)
     print(text)
     if out:

@@ -53,6 +53,7 @@ from grpo.parallel import (
     check_cuda_usable,
     nvidia_driver_versions,
 )
+from grpo.provenance import provenance
 from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
 from merge import decoder_layers, merged_lora_params
 from padding import packed_log_probs
@@ -455,6 +456,7 @@ def main(argv=None) -> dict:
     report = dict(
         command=" ".join(["python", "bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
         environment=environment(device),
+        provenance=provenance(ROOT),
         config=str(CONFIG.relative_to(ROOT)),
         overrides=overrides,
         vllm_imported=sys.modules.get("vllm") is not None,

@@ -32,7 +32,7 @@ chat template is Qwen3's without thinking blocks, which TRL's ``add_response_sch
 
 Output: ``<output_dir>/<run_name>/`` (``runs/trl-tiny-cpu/`` with the CPU config): ``metrics.jsonl``, one line per
 rollout under the standalone recipe's names where TRL has the quantity (:class:`RolloutMetrics` lists them),
-``config.yaml`` (resolved) and ``adapter/``.
+``config.yaml`` (resolved), ``provenance.json`` (`grpo.provenance`) and ``adapter/``.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from grpo.data import load_reward_funcs  # noqa: E402
 from grpo.episodes.tools import load_tools  # noqa: E402
 from grpo.exits import exit_finished  # noqa: E402
 from grpo.parallel import reduce_across_ranks  # noqa: E402
+from grpo.provenance import record_provenance  # noqa: E402
 from grpo.tasks.tiny_gsm8k import SIZES, build_tiny_model, format_prompt, make_problems  # noqa: E402
 from grpo.tasks.tiny_tools import build_tool_model  # noqa: E402
 
@@ -443,6 +444,7 @@ def setup(argv: list[str] | None = None):
         (run_dir / "metrics.jsonl").write_text("")
         resolved = dict(script=asdict(script_args), model=asdict(model_args), training=training_args.to_dict())
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        record_provenance(run_dir / "provenance.json", resumed=False)
     trainer.add_callback(
         RolloutMetrics(
             run_dir / "metrics.jsonl",

@@ -93,11 +93,13 @@ def test_empty_and_overlong_prompts_are_dropped_with_a_count(tmp_path, caplog):
 
 
 def test_provenance_names_the_commit_and_whether_a_tracked_file_differs(tmp_path):
-    """`grpo.provenance.git_state` on a repository: its commit, clean; then a tracked file changed (dirty; an
-    untracked file alone would not be); a folder outside any repository has neither."""
+    """`grpo.provenance.git_state` on a repository: its commit, clean; a committed result under results/ deleted or
+    changed (a run folder cleared before its rerun) leaves it clean; a tracked code file changed makes it dirty (an
+    untracked file alone would not); a folder outside any repository has neither. And a result committed before
+    results recorded provenance gets the commit that committed it, marked as recorded afterwards."""
     import subprocess
 
-    from grpo.provenance import git_state
+    from grpo.provenance import RECORDED_AFTERWARDS, git_state, record_afterwards
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=tmp_path / "repo", check=True, capture_output=True, text=True)
@@ -105,10 +107,19 @@ def test_provenance_names_the_commit_and_whether_a_tracked_file_differs(tmp_path
     (tmp_path / "repo").mkdir()
     git("init", "-q")
     (tmp_path / "repo" / "tracked.txt").write_text("a\n")
-    git("add", "tracked.txt")
+    (tmp_path / "repo" / "results" / "run").mkdir(parents=True)
+    (tmp_path / "repo" / "results" / "run" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "repo" / "results" / "bench.json").write_text("{}\n")
+    git("add", "tracked.txt", "results")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
     head = git("rev-parse", "HEAD").stdout.strip()
+    record_afterwards(tmp_path / "repo" / "results" / "run", tmp_path / "repo")
+    record_afterwards(tmp_path / "repo" / "results" / "bench.json", tmp_path / "repo")
+    made = json.loads((tmp_path / "repo" / "results" / "run" / "provenance.json").read_text())
+    assert made == json.loads((tmp_path / "repo" / "results" / "bench.json").read_text())["provenance"]
+    assert made == {"commit": head, "dirty": None, "recorded": RECORDED_AFTERWARDS}
     (tmp_path / "repo" / "untracked.txt").write_text("b\n")
+    (tmp_path / "repo" / "results" / "run" / "metrics.jsonl").unlink()
     assert git_state(tmp_path / "repo") == {"commit": head, "dirty": False}
     (tmp_path / "repo" / "tracked.txt").write_text("changed\n")
     assert git_state(tmp_path / "repo") == {"commit": head, "dirty": True}
