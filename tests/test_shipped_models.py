@@ -2,7 +2,8 @@
 
 On the CPU a shipped build was made on (``build_info.json``'s ``cpu`` and ``cpu_capability``: the model name and the
 kernels torch dispatches to) the build reproduces it bit for bit; on another kind, whose kernels round differently,
-within ``OTHER_KIND_TOLERANCE`` (models/README.md says how it was measured).
+within ``OTHER_KIND_TOLERANCE`` (models/README.md gives its reasoning, and the command of the rebuild on forced
+kernels whose figures would replace it).
 """
 
 import json
@@ -17,9 +18,9 @@ from grpo.tasks.tiny_tools import build_tool_model
 
 BUILDS = {"tiny-qwen3-gsm8k": build_tiny_model, "tiny-qwen3-tools": build_tool_model}
 NOT_PARAMETERS = ("task", "size")  # recorded in the tool build's arguments, fixed by build_tool_model
-# Another CPU kind (models/README.md: measured with the build's kernels forced to another instruction set): the
-# weights diverge over the warm-up, the figures stay close. Rates over the 128 held-out problems may move by 0.2, the
-# final loss by 10%; the accuracies among episodes that did (not) call the tool divide by a varying count: left out.
+# Another CPU kind: the weights diverge over the warm-up, the figures stay close. Rates over the 128 held-out problems
+# may move by 0.2 (3.2 standard errors of two builds' difference: models/README.md), the final loss by 10%; the
+# accuracies among episodes that did (not) call the tool divide by a varying count: left out.
 OTHER_KIND_TOLERANCE = dict(rate=0.2, final_loss_relative=0.1)
 CONDITIONAL = ("sampled_accuracy_with_tool", "sampled_accuracy_without_tool")
 
