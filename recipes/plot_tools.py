@@ -21,9 +21,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from plot_metrics import label, read_config, read_metrics, split  # noqa: E402
 
-from grpo.figures import paper_style, save_figure  # noqa: E402
+from grpo.figures import label, paper_style, read_config, read_metrics, save_figure, split  # noqa: E402
 
 TURNS = {"turn1": "turn 1", "turn2": "turn 2"}
 EVAL_KEYS = ("eval_reward_greedy", "eval_reward_sampled", "eval_tool_success_greedy", "eval_tool_success_sampled")
