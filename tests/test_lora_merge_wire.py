@@ -10,6 +10,7 @@ tests run the same code over gloo, whose ``wait()`` blocks and fails at once whe
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import subprocess
 import sys
@@ -112,23 +113,81 @@ def test_the_trainer_stops_waiting_when_the_servers_call_fails_over_nccl():
     assert group.aborted and not hung.stream_ordered
 
 
-def test_the_workers_reach_the_trainer_at_its_address_on_the_route_to_the_server():
+class RoutedUdpSocket:
+    """A UDP socket on a machine with three interfaces, as the kernel's contract has it: ``connect`` sends nothing
+    and binds the socket to the source address of the route towards the peer (the longest matching prefix, else the
+    default route); ``getsockname`` gives it. A name resolves as getaddrinfo would (``localhost``, one server's name);
+    a peer with no route raises as ``connect`` does (ENETUNREACH)."""
+
+    ROUTES = [  # (destination network, this machine's address on the interface that reaches it)
+        (ipaddress.ip_network("127.0.0.0/8"), "127.0.0.1"),
+        (ipaddress.ip_network("10.1.0.0/16"), "10.1.4.7"),  # the cluster's fabric
+        (ipaddress.ip_network("192.168.50.0/24"), "192.168.50.20"),  # a management network
+        (ipaddress.ip_network("0.0.0.0/0"), "172.31.9.3"),  # the default route
+    ]
+    NAMES = {"localhost": "127.0.0.1", "rollout-node": "10.1.9.9"}
+
+    def __init__(self, family, kind):
+        assert (family, kind) == (socket.AF_INET, socket.SOCK_DGRAM)
+        self.source = "0.0.0.0"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def connect(self, peer):
+        host = ipaddress.ip_address(self.NAMES.get(peer[0], peer[0]))
+        if host.is_multicast:  # stands for any peer without a route
+            raise OSError(101, "Network is unreachable")
+        network, self.source = max((r for r in self.ROUTES if host in r[0]), key=lambda r: r[0].prefixlen)
+
+    def getsockname(self):
+        return (self.source, 40000)
+
+
+def reaches_the_trainer_on_each_route(address_towards) -> None:
+    """The address the server's workers are given, for a server on each route of ``RoutedUdpSocket``'s machine."""
+    assert address_towards("127.0.0.1") == "127.0.0.1"
+    assert address_towards("localhost") == "127.0.0.1"
+    assert address_towards(None) == "127.0.0.1"  # no server host given: this machine
+    assert address_towards("rollout-node") == "10.1.4.7"
+    assert address_towards("10.1.200.1") == "10.1.4.7"
+    assert address_towards("192.168.50.3") == "192.168.50.20"
+    assert address_towards("203.0.113.8") == "172.31.9.3"
+    assert address_towards("224.0.0.1") == "127.0.0.1"  # no route: the loopback, as documented
+
+
+def test_the_workers_reach_the_trainer_at_its_address_on_the_route_to_the_server(monkeypatch):
+    """On a machine with three interfaces (a stand-in for the kernel's route choice), the address towards each
+    server is the one of the interface on its route. Control: an implementation that answers with one fixed
+    interface (the first non-loopback address, right on a one-interface machine) fails the same checks."""
+    import merge.lora_merge.wire as wire
+
+    monkeypatch.setattr(wire.socket, "socket", RoutedUdpSocket)
+    reaches_the_trainer_on_each_route(wire.local_address_towards)
+
+    def first_interface(host):
+        return "127.0.0.1" if host in (None, "localhost") or host.startswith("127.") else RoutedUdpSocket.ROUTES[1][1]
+
+    with pytest.raises(AssertionError):
+        reaches_the_trainer_on_each_route(first_interface)
+
+
+def test_the_address_towards_a_server_is_one_of_this_machines_own():
+    """The real route choice on this machine: towards each of its own addresses, that address (found with psutil,
+    not the function under test)."""
     from merge.lora_merge.wire import local_address_towards
 
-    assert local_address_towards("127.0.0.1") == "127.0.0.1"
-    assert local_address_towards("localhost") == "127.0.0.1"
-    # a server on another node: the interface towards it, each of this machine's own addresses found without the
-    # function under test (psutil), so that an answer of the loopback, or of one fixed interface, fails
     own = [
         address.address
         for addresses in psutil.net_if_addrs().values()
         for address in addresses
         if address.family == socket.AF_INET and not address.address.startswith("127.")
     ]
-    if not own:
-        pytest.skip("this machine has no network interface but the loopback")
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
     assert all(local_address_towards(address) == address for address in own), own
-    assert local_address_towards("192.0.2.1") in own  # TEST-NET-1: the default route's interface (nothing is sent)
 
 
 def in_a_thread(target) -> tuple[threading.Thread, list]:
