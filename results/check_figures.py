@@ -23,6 +23,7 @@
      figure derived from others (a standard error);
    - `const`: no measurement, nothing to recompute: a design constant, a config value, a version, a threshold the
      code sets (the marker only says so, and keeps the number out of step 3's scan);
+   - `cited`: another project's figure, quoted from the source the text links to; nothing here to recompute;
 
    and an optional last word `x100` (a percentage) or `x1000` scales the value. Two queries joined by ` / ` or
    ` - ` give a ratio or a difference (`table grpo_metrics tiny-cpu-merge median_step_s / table ...`).
@@ -307,7 +308,7 @@ def check_figures(files: list[Path], tables: Path, not_swept: tuple[str, ...] = 
             place = f"{name}:{number}"
             for tag in TAG.finditer(line):
                 written, query = tag.groups()
-                if query.strip() == "const":
+                if query.strip() in ("const", "cited"):
                     continue
                 try:
                     value = figure(query, tables)
