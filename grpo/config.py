@@ -85,6 +85,11 @@ class DataSettings:
         None, "a system message before the prompt (chat template only)", range="a non-empty text or null"
     )
     use_chat_template: bool = setting(True, "format prompts with the tokenizer's chat template")
+    chat_template_kwargs: dict = setting(
+        {"enable_thinking": False},
+        "keyword arguments of the chat template (TRL's name), the same for the prompt and every tool response "
+        "(e.g. enable_thinking: true for a thinking template; a template ignores the ones it does not read)",
+    )
     max_prompt_length: int = setting(256, "tokens; longer prompts are dropped with a counted warning", range=">= 1")
     eval_split: str | None = setting(
         "test",

@@ -25,8 +25,8 @@ class ConfigError(ValueError):
 
 def setting(default, help: str, **rule):
     """A config field: its default, its help and its rule (``range``, ``choices``, ``check``), declared together."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=dict(help=help, **rule))
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=dict(help=help, **rule))
     return field(default=default, metadata=dict(help=help, **rule))
 
 

@@ -119,7 +119,11 @@ def tokenize_prompts(
             messages = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
             messages.append({"role": "user", "content": text})
             text = tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=True, enable_thinking=False
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=True,
+                **cfg.data.chat_template_kwargs,
             )
             ids = tokenizer(text, add_special_tokens=False).input_ids
         else:

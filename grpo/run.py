@@ -29,6 +29,7 @@ from grpo.engines.interface import Engine
 from grpo.engines.rollout_queue import RolloutQueue
 from grpo.episodes.loop import ToolEngine
 from grpo.episodes.parsers import resolve_parser
+from grpo.episodes.templates import use_prefix_preserving_template
 from grpo.episodes.tools import load_tools
 from grpo.faults import LogprobGuard
 from grpo.loss import LossSettings
@@ -355,6 +356,8 @@ def setup(cfg: RecipeConfig) -> Run:
     check_reward_columns(cfg, list(reward_funcs.values()), problems)
     check_memory(cfg, model_config, world, device, fsdp)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    if tools:  # the tool loop appends tool responses to the sampled ids: the template must allow it
+        use_prefix_preserving_template(tokenizer, tools, cfg.data.chat_template_kwargs, cfg.model.name_or_path)
     if tools:  # a parser that cannot read this chat template's calls: refused before the model loads
         resolve_parser(cfg.tool_calling.parser, tokenizer)
     problems = tokenize_prompts(cfg, tokenizer, problems, tools=tools)

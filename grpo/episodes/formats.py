@@ -14,13 +14,18 @@ class Renderer:
     """The chat template's text around the sampled ids: a tool response's ids (alone), and an assistant turn as
     a re-tokenizing framework would render it again from parsed messages."""
 
-    def __init__(self, tokenizer, tools: list[Callable]):
+    def __init__(self, tokenizer, tools: list[Callable], template_kwargs: dict | None = None):
         self.tokenizer, self.tools = tokenizer, tools
+        self.template_kwargs = template_kwargs or {}  # the prompt's (`data.chat_template_kwargs`), for every render
         self.eos = tokenizer.eos_token_id
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools or None, add_generation_prompt=generation_prompt, tokenize=False
+            messages,
+            tools=self.tools or None,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
         )
 
     def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:

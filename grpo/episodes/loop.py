@@ -96,7 +96,7 @@ class ToolEngine:
 
     def __init__(self, engine, tokenizer, tools: list[Callable], cfg):
         self.engine, self.tokenizer = engine, tokenizer
-        self.renderer = Renderer(tokenizer, tools)
+        self.renderer = Renderer(tokenizer, tools, cfg.data.chat_template_kwargs)
         settings = cfg.tool_calling
         self.parser = make_parser(settings.parser, tokenizer, tools)
         self.caller = ToolCaller({t.__name__: t for t in tools}, settings.timeout_s, settings.max_output_chars)
