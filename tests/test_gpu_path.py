@@ -23,6 +23,7 @@ from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
+QWEN_TOOLS_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_tools.yaml"  # the same GPUs, multi-turn with a tool
 
 
 def engine_args(cfg, device_type: str) -> dict:
@@ -50,8 +51,9 @@ def test_sleep_mode_on_cpu_is_refused_by_name():
         engine_kwargs("m", **engine_args(cfg, "cpu"))
 
 
-def test_kv_cache_size_of_the_qwen_config_holds_its_rollout():
-    cfg = load_config(QWEN_CONFIG)
+@pytest.mark.parametrize("config", [QWEN_CONFIG, QWEN_TOOLS_CONFIG], ids=["gsm8k", "tools"])
+def test_kv_cache_size_of_the_qwen_config_holds_its_rollout(config):
+    cfg = load_config(config)  # a tool episode's tokens, tool results included, count in max_completion_length
     c = qwen3_4b_config()
     per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
     sequences = cfg.per_device_train_batch_size * cfg.steps_per_generation
@@ -278,8 +280,9 @@ def test_the_contract_catches_a_generation_with_the_engine_asleep(monkeypatch, t
 
 
 # ----------------------------------------------------------------------------- memory plan at Qwen3-4B's size
-def test_memory_plan_of_the_qwen_config_on_one_and_eight_gpus():
-    cfg = load_config(QWEN_CONFIG)
+@pytest.mark.parametrize("config", [QWEN_CONFIG, QWEN_TOOLS_CONFIG], ids=["gsm8k", "tools"])
+def test_memory_plan_of_the_qwen_config_on_one_and_eight_gpus(config):
+    cfg = load_config(config)
     one, eight = memory_plan(qwen3_4b_config(), cfg, world=1), memory_plan(qwen3_4b_config(), cfg, world=8)
     assert 4.0e9 <= one["parameters"]["total"] <= 4.1e9  # Qwen3-4B: 4.02B parameters with tied embeddings
     assert one["terms"]["policy shard"] == 8 * eight["terms"]["policy shard"]
