@@ -356,10 +356,9 @@ def setup(cfg: RecipeConfig) -> Run:
     check_reward_columns(cfg, list(reward_funcs.values()), problems)
     check_memory(cfg, model_config, world, device, fsdp)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
-    if tools:  # the tool loop appends tool responses to the sampled ids: the template must allow it
+    if tools:  # refused before the model loads: a template the tool loop cannot append to, a parser that cannot read it
         use_prefix_preserving_template(tokenizer, tools, cfg.data.chat_template_kwargs, cfg.model.name_or_path)
-    if tools:  # a parser that cannot read this chat template's calls: refused before the model loads
-        resolve_parser(cfg.tool_calling.parser, tokenizer)
+        resolve_parser(cfg.tool_calling.parser, tokenizer)  # after: it reads the template that is used
     problems = tokenize_prompts(cfg, tokenizer, problems, tools=tools)
     random.Random(cfg.seed).shuffle(problems)
     eval_problems = held_out_problems(cfg, tokenizer, problems, tools)
@@ -368,7 +367,10 @@ def setup(cfg: RecipeConfig) -> Run:
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
     optimizer, scheduler = build_optimizer(cfg, model, total_updates=num_rollout_steps * updates_per_rollout)
-    engine = ToolEngine(start_engine(), tokenizer, tools, cfg) if tools else start_engine()  # multi-turn episodes
+    if tools:  # multi-turn episodes, every tool response rendered with the prompt's template arguments
+        engine = ToolEngine(start_engine(), tokenizer, tools, cfg, cfg.data.chat_template_kwargs)
+    else:
+        engine = start_engine()
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from
         load_checkpoint(resume, model, optimizer, scheduler, config_to_dict(cfg), rank)
         log.info("resumed from %s: continuing at rollout step %d of %d", resume, resumed + 1, num_rollout_steps)

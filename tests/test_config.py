@@ -156,6 +156,7 @@ BAD_VALUES = {
     "data.prompt_template": '""',
     "data.system_prompt": '""',
     "data.use_chat_template": "maybe",
+    "data.chat_template_kwargs": "[enable_thinking]",
     "data.max_prompt_length": "0",
     "data.eval_split": '""',
     "data.num_eval": "0",

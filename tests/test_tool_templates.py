@@ -84,7 +84,9 @@ def test_every_tool_response_ends_as_the_prompt_does(qwen3_tokenizer, thinking):
     )
     use_prefix_preserving_template(qwen3_tokenizer, [calculator], cfg.data.chat_template_kwargs, "qwen3")
     (row,) = tokenize_prompts(cfg, qwen3_tokenizer, [{"question": "37*48?"}], tools=[calculator])
-    suffix = ToolEngine(None, qwen3_tokenizer, [calculator], cfg).renderer.tool_suffix_ids(TOOL_RESULT)
+    suffix = ToolEngine(
+        None, qwen3_tokenizer, [calculator], cfg, cfg.data.chat_template_kwargs
+    ).renderer.tool_suffix_ids(TOOL_RESULT)
     header = encode(qwen3_tokenizer, "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
     assert row["prompt_ids"][-len(header) :] == header
     assert suffix[-len(header) :] == header

@@ -94,9 +94,9 @@ class ToolEngine:
     """A rollout engine whose `generate` runs whole tool-using episodes on the engine it wraps (either of
     `grpo.engines`); sync, generation phases and close are the wrapped engine's."""
 
-    def __init__(self, engine, tokenizer, tools: list[Callable], cfg):
+    def __init__(self, engine, tokenizer, tools: list[Callable], cfg, template_kwargs: dict | None = None):
         self.engine, self.tokenizer = engine, tokenizer
-        self.renderer = Renderer(tokenizer, tools, cfg.data.chat_template_kwargs)
+        self.renderer = Renderer(tokenizer, tools, template_kwargs)  # the prompt's: `data.chat_template_kwargs`
         settings = cfg.tool_calling
         self.parser = make_parser(settings.parser, tokenizer, tools)
         self.caller = ToolCaller({t.__name__: t for t in tools}, settings.timeout_s, settings.max_output_chars)
