@@ -828,6 +828,12 @@ def test_a_failure_on_rank_0_during_a_sync_stops_every_rank_within_seconds(tmp_p
     assert second["message"].startswith(expected) and "\n" not in second["message"], second
     assert first["seconds"] < 10 and second["seconds"] < 10, (first, second)
     assert first["version"] == second["version"] == "1"
+    # a fresh engine's first sync, rank 1's /get_world_size refused: no rank enters the factors' gather (where rank
+    # 0 would wait for rank 1 in FSDP2's all-gathers, rank 1 for rank 0 in the outcome's), both stop with its line
+    first, second = (json.loads((tmp_path / f"first_sync_rank{rank}.json").read_text()) for rank in (0, 1))
+    assert first["type"] == second["type"] == "ServerError", (first, second)
+    assert first["message"] == second["message"] == "GET http://127.0.0.1:1/get_world_size -> 503: injected"
+    assert not first["gathered"] and not second["gathered"] and first["version"] is second["version"] is None
 
 
 def test_a_server_holding_another_model_is_refused_at_the_first_sync_naming_the_tensor(server, tmp_path):

@@ -295,6 +295,15 @@ class ServerEngine:
         """Make the server serve the policy as weight version ``version`` (a collective: every rank calls it; under
         FSDP2 the factors are gathered on every rank, rank 0 sends them). Returns rank 0's sync figures, on every
         rank. Any rank's failure reaches every rank at once (`_share_outcome`): none waits for it in a collective."""
+        if self.merge and self.transfer is None:  # the first sync: each rank asks the server before the gather
+            failure = None
+            try:
+                self._connect_transfer()
+            except Exception as error:  # noqa: BLE001 - shared below, then raised on this rank
+                failure = error
+            # agreed before the factors' gather: a rank that failed here would otherwise wait in this collective
+            # while the others wait in FSDP2's all-gathers, each for the other, until the process group's timeout
+            self._share_outcome({}, failure)
         failure = None
         try:
             if self.merge:
@@ -335,22 +344,8 @@ class ServerEngine:
     def _sync_merged(self, model, version: int) -> dict[str, float]:
         import requests
 
-        from merge.lora_merge import LoraMergeTrainer, WeightTransferError
+        from merge.lora_merge import WeightTransferError
 
-        if self.transfer is None:  # one group: this trainer's rank 0 and every worker of the server
-            workers = self._get("/get_world_size")["world_size"]
-            self.transfer = LoraMergeTrainer.connect(
-                self.url,
-                rank=self.rank,
-                timeout=self.timeout,
-                num_workers=workers,
-                transport="nccl" if torch.cuda.is_available() else "gloo",
-                wire_dtype=self.wire_dtype,
-                precision_stats=self.precision_stats,
-                base_on_device=self.base_on_device,
-                pause_mode=self.pause_mode,
-                pause_whole_update=self.pause_mode == "keep" and self.rank == 0 and self._data_parallel_size() > 1,
-            )
         if self.rank != 0:
             self.transfer.send_weights(model)  # the gather is a collective
             return {}
@@ -365,6 +360,25 @@ class ServerEngine:
                 raise ServerError(f"weight sync to {self.url} refused: {error}") from None
             raise
         return {**{k: v for k, v in stats.items() if v == v}, "sync_bytes": self.transfer.last_sync["sync_bytes"]}
+
+    def _connect_transfer(self) -> None:
+        """The lora_merge trainer engine: one group, this trainer's rank 0 and every worker of the server (its group
+        forms at the first update)."""
+        from merge.lora_merge import LoraMergeTrainer
+
+        workers = self._get("/get_world_size")["world_size"]
+        self.transfer = LoraMergeTrainer.connect(
+            self.url,
+            rank=self.rank,
+            timeout=self.timeout,
+            num_workers=workers,
+            transport="nccl" if torch.cuda.is_available() else "gloo",
+            wire_dtype=self.wire_dtype,
+            precision_stats=self.precision_stats,
+            base_on_device=self.base_on_device,
+            pause_mode=self.pause_mode,
+            pause_whole_update=self.pause_mode == "keep" and self.rank == 0 and self._data_parallel_size() > 1,
+        )
 
     def _data_parallel_size(self) -> int:
         """The server's ``--data-parallel-size`` (``/server_info``). Its engines take a weight update's calls between
