@@ -1,5 +1,6 @@
 """Waiting on a vLLM server without waiting forever: requests on daemon threads, the server's ``/health`` probed
-while they run. Shared by the recipe's server engine (`grpo.engines.server`) and TRL's server mode (`merge.trl`).
+while they run; a server left paused resumed at start-up. Shared by the recipe's server engine
+(`grpo.engines.server`) and TRL's server mode (`merge.trl`).
 
 A front end shutting down (SIGTERM) refuses new connections while it keeps the open ones waiting, and a stuck
 server does not answer at all: an HTTP read alone would wait indefinitely.
@@ -74,6 +75,21 @@ def results_watching_health(
         elif time.monotonic() - unhealthy_since >= server_timeout:
             raise gone(problem, time.monotonic() - unhealthy_since)
     return [future.result() for future in futures]
+
+
+def resume_if_paused(url: str) -> bool:
+    """Resume a server that a trainer left paused; whether it was. A trainer stopped while it held the pause of a
+    weight update (the merge; with ``pause_whole_update`` the whole update) leaves it paused, and a paused server
+    queues every request, the next run's first ones included, until someone resumes it. Safe: the merge happens at
+    ``/finish_weight_update`` alone, so the server holds its last complete weight version (the next sync replaces
+    it). A server without vLLM's RL routes (404) is not paused."""
+    import requests
+
+    reply = requests.get(f"{url}/is_paused", timeout=30)
+    if reply.status_code != 200 or not reply.json().get("is_paused"):
+        return False
+    requests.post(f"{url}/resume", timeout=30).raise_for_status()
+    return True
 
 
 def connection_failure(error: Exception) -> str:

@@ -411,6 +411,7 @@ class FakeServer:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.health: int | None = 200
+        self.paused = threading.Event()  # vLLM's /pause, /resume, /is_paused: a paused server holds generations
         self.server_info = {  # /server_info's settings, as a server started by serve_command reports them (its
             # prefix cache aside: test_a_prefix_cache_is_accepted_only_where_it_honours_the_salt_every_request_carries)
             "model_config": {"logprobs_mode": "processed_logprobs", "dtype": "torch.float32", "max_model_len": 256},
@@ -439,6 +440,7 @@ class FakeServer:
                         fake.released.wait()
                     return self.reply(fake.health or 503, {})
                 answers = {
+                    "/is_paused": {"is_paused": fake.paused.is_set()},  # vLLM 0.32's rl/online/api_router.py
                     "/v1/models": {"data": [{"id": "served"}]},
                     "/get_world_size": {"world_size": 1},
                     "/server_info": {"vllm_config": fake.server_info},
@@ -450,10 +452,18 @@ class FakeServer:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if self.path == "/collective_rpc":
                     self.reply(200 if backend else 500, {})
+                elif self.path.startswith("/pause"):
+                    fake.paused.set()
+                    self.reply(200, {"status": "paused"})
+                elif self.path == "/resume":
+                    fake.paused.clear()
+                    self.reply(200, {"status": "resumed"})
                 elif self.path == "/inference/v1/generate":
                     if "token_ids" not in body:
                         self.reply(422, {})
                         return
+                    while fake.paused.is_set() and not fake.released.wait(0.05):
+                        pass  # queued until /resume, as vLLM's engine holds a request that arrives while paused
                     fake.generating.release()
                     fake.released.wait(generate_delay)  # None: until stop()
                     key = (tuple(body["token_ids"]), body.get("cache_salt") if fake.cache_keys == "salted" else None)
@@ -562,6 +572,29 @@ def test_a_prefix_cache_is_accepted_only_where_it_honours_the_salt_every_request
             check(salted=False)
         check(max_model_len=17)  # no prompt can fill a block: nothing is ever cached, nothing to ask
         assert fake.posts.count("/inference/v1/generate") == 9
+    finally:
+        fake.stop()
+
+
+def test_a_server_left_paused_is_resumed_at_start_up_before_the_cache_probe(caplog):
+    """A trainer stopped while it held a weight update's pause leaves the server paused; the next run's start-up
+    finds it so (/is_paused), resumes it and logs it, and the cache-salt probe then answers. The control: a server
+    that is not paused is not resumed."""
+    from grpo.engines.server import ServerEngine
+
+    fake = FakeServer(backend=True)
+    fake.server_info["cache_config"].update(enable_prefix_caching=True, block_size=16)
+    check = functools.partial(ServerEngine.check_settings, fake.url, "m", dtype="float32", max_model_len=160)
+    try:
+        check()
+        assert "/resume" not in fake.posts and "was paused" not in caplog.text
+        requests.post(f"{fake.url}/pause", params={"mode": "keep"}, timeout=10)
+        ServerEngine.check_server(fake.url, "m")
+        # on a paused server each probe request would wait out its 120 s
+        ThreadPoolExecutor(1).submit(check).result(timeout=60)
+        assert not fake.paused.is_set() and fake.posts.count("/resume") == 1
+        assert f"the vLLM server at {fake.url} was paused" in caplog.text
+        assert fake.posts.count("/inference/v1/generate") == 7  # 3 probes each, and check_server's empty one
     finally:
         fake.stop()
 

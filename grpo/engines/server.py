@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import secrets
 import shlex
@@ -35,10 +36,16 @@ import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
-from merge.server_health import connection_failure, results_watching_health, start_in_daemon_threads
+from merge.server_health import (
+    connection_failure,
+    results_watching_health,
+    resume_if_paused,
+    start_in_daemon_threads,
+)
 from merge.server_settings import cache_salt_problems, cached_prompt_tokens, server_setting_problems
 
 CONNECTION_ATTEMPTS = 3  # a request whose connection fails is sent again, this many times in all, 1 s apart
+log = logging.getLogger("grpo")
 RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
 
 
@@ -249,7 +256,7 @@ class ServerEngine:
         """Before the model loads: the server samples what the trainer scores (processed log-probs, model.dtype,
         unquantized weights, a prefix cache that honours each request's ``cache_salt``, or none where the requests
         are not ``salted``) and holds a prompt with its completion; else one line naming each flag to change
-        (vLLM's /server_info, a VLLM_SERVER_DEV_MODE route)."""
+        (vLLM's /server_info, a VLLM_SERVER_DEV_MODE route). A server a stopped trainer left paused is resumed."""
         import requests
 
         url = url.rstrip("/")
@@ -263,12 +270,30 @@ class ServerEngine:
                 f"the vLLM server at {url} does not report its settings (/server_info: {type(error).__name__}); "
                 f"start it with VLLM_SERVER_DEV_MODE=1: {command}"
             ) from None
+        try:  # before the cache probe, which a paused server would leave waiting
+            if resume_if_paused(url):
+                log.warning(
+                    "the vLLM server at %s was paused (a trainer stopped during a weight update leaves it so): "
+                    "resumed it; it serves its last complete weight version until the first sync",
+                    url,
+                )
+        except (requests.RequestException, ValueError) as error:
+            raise ServerError(
+                f"the vLLM server at {url} is paused and could not be resumed (/is_paused, /resume: "
+                f"{type(error).__name__}); restart it: {command}"
+            ) from None
         problems = server_setting_problems(config, merge)
         if cache_config.get("enable_prefix_caching"):
             if not salted:
                 problems.append("it caches prefixes; TRL's requests carry no cache_salt (--no-enable-prefix-caching)")
             else:
-                problems += cache_salt_problems(url, int(cache_config.get("block_size") or 16), max_model_len)
+                try:
+                    problems += cache_salt_problems(url, int(cache_config.get("block_size") or 16), max_model_len)
+                except (requests.RequestException, ValueError, KeyError, TypeError) as error:
+                    raise ServerError(
+                        f"the vLLM server at {url} did not answer the prefix-cache probe (/inference/v1/generate: "
+                        f"{type(error).__name__}): check its log, or restart it: {command}"
+                    ) from None
         served = str(model_config.get("dtype")).removeprefix("torch.")
         if served != dtype:
             problems.append(f"it serves {served}, the trainer computes in model.dtype={dtype} (--dtype {dtype})")

@@ -60,7 +60,9 @@ class HTTPPausingWeightSyncClient:
     is sampled from one version given a prefix that same version computed: the log-prob vLLM returns is that
     version's, token by token, which a trainer forward with its weights reproduces. Only the merge is paused: a
     trainer that dies while it gathers or sends the factors leaves the server serving its last complete version, not
-    paused.
+    paused; one that dies during the merge's pause (or, with ``pause_whole_update``, during the update) leaves it
+    paused on its last complete version, and the next run's start-up resumes it (`merge.server_health
+    .resume_if_paused`).
 
     ``pause_whole_update``: pause before ``/start_weight_update`` instead, so that the whole update runs paused. A
     mixture-of-experts server with data parallelism steps its engines in lockstep (vLLM's ``DPEngineCoreProc``: a
@@ -111,7 +113,7 @@ class HTTPPausingWeightSyncClient:
         if not self.pause_whole_update:
             self._pause()
         self.http.finish_weight_update(weight_version)  # failed: the server stays paused (the workers' reply says
-        self._post("/resume")  # whether they serve the previous version again); the next sync resumes it
+        self._post("/resume")  # whether they serve the previous version again); the next sync or start-up resumes it
 
 
 class LLMWeightSyncClient:
