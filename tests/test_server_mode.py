@@ -423,6 +423,8 @@ class FakeServer:
         self.cache_keys, self.reports_cached_tokens, self.cached = "salted", True, set()
         self.released = threading.Event()  # lets the requests left hanging go at stop()
         self.generating = threading.Semaphore(0)  # released once per generation request received
+        self.health_probes, self.generations_now, self.generations_most = 0, 0, 0
+        self.counting = threading.Lock()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -435,6 +437,9 @@ class FakeServer:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if self.path == "/health":
+                    with fake.counting:
+                        fake.health_probes += 1
                 if self.path == "/health" and fake.health != 200:
                     if fake.health is None:
                         fake.released.wait()
@@ -465,7 +470,12 @@ class FakeServer:
                     while fake.paused.is_set() and not fake.released.wait(0.05):
                         pass  # queued until /resume, as vLLM's engine holds a request that arrives while paused
                     fake.generating.release()
+                    with fake.counting:
+                        fake.generations_now += 1
+                        fake.generations_most = max(fake.generations_most, fake.generations_now)
                     fake.released.wait(generate_delay)  # None: until stop()
+                    with fake.counting:
+                        fake.generations_now -= 1
                     key = (tuple(body["token_ids"]), body.get("cache_salt") if fake.cache_keys == "salted" else None)
                     cached, _ = (len(body["token_ids"]) - 1 if key in fake.cached else 0), fake.cached.add(key)
                     usage = {"prompt_tokens_details": {"cached_tokens": cached}} if fake.reports_cached_tokens else {}
@@ -825,6 +835,56 @@ def test_a_healthy_server_is_waited_for_past_the_timeout(tokenizer_dir, monkeypa
         engine.version = "7"
         samples = engine.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=2, logprobs=0))
         assert [s.completion_ids for s in samples] == [[5, 6]] * 3
+    finally:
+        fake.stop()
+
+
+def test_requests_in_flight_stay_within_the_connection_pool(tokenizer_dir, caplog):
+    """160 requests sent at once (5 rollouts of 32 prompts) by an engine sized for 128: at most 128 are in flight,
+    each on a pooled connection, so urllib3 never discards one ("Connection pool is full"); the rest wait their
+    turn. A config's engine is sized for what it sends at once (`max_requests_in_flight`)."""
+    from vllm import SamplingParams
+
+    from grpo.config import load_config
+    from grpo.engines.server import ServerEngine
+
+    fake = FakeServer(backend=True, generate_delay=0.5)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir)
+        engine.version = "7"
+        pending = [engine.send([[1, 2, step]] * 32, SamplingParams(max_tokens=2, logprobs=0)) for step in range(5)]
+        assert all(len(engine.receive(p)) == 32 for p in pending)
+        assert "Connection pool is full" not in caplog.text
+        assert fake.generations_most <= 128 and engine.requests.threads == 128
+    finally:
+        fake.stop()
+    from grpo.engines.server import max_requests_in_flight
+
+    cfg = load_config(ROOT / "recipes" / "configs" / "tiny_cpu.yaml", ["vllm.mode=server", "max_staleness=2"])
+    rollout = cfg.per_device_train_batch_size * cfg.steps_per_generation
+    assert max_requests_in_flight(cfg, world=2) == 3 * rollout + -(-cfg.data.num_eval // 2)
+
+
+def test_waits_on_the_server_share_one_health_probe(tokenizer_dir, monkeypatch):
+    """32 episodes each waiting on a request of their own (as tool episodes do) probe /health together: one probe
+    every HEALTH_PROBE_S, not one per wait."""
+    from vllm import SamplingParams
+
+    from grpo.engines.server import ServerEngine
+    from merge import server_health
+
+    monkeypatch.setattr(server_health, "HEALTH_PROBE_S", 0.25)
+    fake = FakeServer(backend=True, generate_delay=2.0)
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir)
+        engine.version = "7"
+        sampling = SamplingParams(max_tokens=2, logprobs=0)
+        start, probes_before = time.monotonic(), fake.health_probes
+        with ThreadPoolExecutor(32) as pool:
+            waits = [pool.submit(engine.generate, [[1, 2, i]], sampling) for i in range(32)]
+            assert all(len(wait.result(timeout=60)) == 1 for wait in waits)
+        probes, seconds = fake.health_probes - probes_before, time.monotonic() - start
+        assert 1 <= probes <= seconds / server_health.HEALTH_PROBE_S + 1, (probes, seconds)
     finally:
         fake.stop()
 

@@ -36,14 +36,10 @@ import torch
 
 from grpo.checkpointing import save_adapter
 from grpo.engines.interface import EngineStateError, Sample
-from merge.server_health import (
-    connection_failure,
-    results_watching_health,
-    resume_if_paused,
-    start_in_daemon_threads,
-)
+from merge.server_health import RequestThreads, connection_failure, results_watching_health, resume_if_paused
 from merge.server_settings import cache_salt_problems, cached_prompt_tokens, server_setting_problems
 
+CONTROL_CONNECTIONS = 8  # the connections beside the generation requests' (aborts, adapter loads)
 CONNECTION_ATTEMPTS = 3  # a request whose connection fails is sent again, this many times in all, 1 s apart
 log = logging.getLogger("grpo")
 RESUME_HINT = "the run's checkpoints are intact: restart the server, then resume with resume_from_checkpoint=last"
@@ -76,6 +72,15 @@ def serve_command(url: str, model: str, merge: bool = True) -> str:
         "--max-num-batched-tokens 16384 "
         f"{lora}".strip()
     )
+
+
+def max_requests_in_flight(cfg, world: int) -> int:
+    """The most generation requests one rank has in flight: one per completion at most (one per prompt, or per
+    episode for a tool's later turns) of each rollout step queued (max_staleness + 1 of them), and an evaluation's
+    (one per held-out problem of the rank) beside them."""
+    rollout = cfg.per_device_train_batch_size * cfg.steps_per_generation
+    evaluation = -(-cfg.data.num_eval // world) if cfg.eval_steps is not None else 0
+    return rollout * (cfg.max_staleness + 1) + evaluation
 
 
 def _sampling_json(sampling, seed: int) -> dict:
@@ -121,6 +126,7 @@ class ServerEngine:
         timeout: float = 600.0,
         server_timeout: float = 60.0,
         pause_mode: str = "wait",
+        max_in_flight: int = 128,
     ):
         import requests
         from transformers import AutoTokenizer
@@ -134,8 +140,13 @@ class ServerEngine:
         self.base_on_device = base_on_device  # the server's pristine base on its devices (default: host memory)
         self.server_timeout = server_timeout  # seconds of failed health checks before a wait on the server stops
         self.check_server(self.url, model, merge)
+        # a thread and a pooled connection per generation request in flight, at most max_in_flight (the rest wait
+        # their turn): a request beyond the pool's size would be a connection opened, then discarded with a warning
+        self.requests = RequestThreads(max_in_flight)
         self.http = requests.Session()
-        self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=128))  # a connection per request thread
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=max_in_flight + CONTROL_CONNECTIONS)
+        self.http.mount("http://", adapter)
+        self.http.mount("https://", adapter)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.served_name = self._get("/v1/models")["data"][0]["id"]
         self.version: str | None = None  # the weight version the last sync made the server serve
@@ -159,6 +170,7 @@ class ServerEngine:
             base_on_device=cfg.vllm.server_base_on_device,
             server_timeout=cfg.vllm.server_timeout,
             pause_mode="keep" if cfg.max_staleness > 0 else "wait",
+            max_in_flight=max_requests_in_flight(cfg, world),
         )
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
@@ -477,7 +489,7 @@ class ServerEngine:
 
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
         calls = [functools.partial(one, *args) for args in zip(prompt_ids, per_prompt, seeds, request_ids)]
-        futures = start_in_daemon_threads(calls, max_workers=32)
+        futures = [self.requests.submit(call) for call in calls]
         return PendingGeneration(prompt_ids, futures, int(self.version))
 
     def receive(self, pending: PendingGeneration) -> list[Sample]:
