@@ -2,7 +2,8 @@
 
 - `stop_if_nonfinite`: a NaN/inf reward, loss, ratio or gradient norm on any rank stops every rank before the
   optimizer update (collective), naming the step and the quantity and the last good checkpoint.
-- `StopRequest`: SIGINT/SIGTERM set a flag that the loop reads between phases (save, then exit 128 + signal).
+- `StopRequest`: SIGINT/SIGTERM set a flag that the loop reads between phases (save, then exit 128 + signal); one
+  that comes while the rollout waits on tools or on the server abandons that rollout step at once.
 - `LogprobGuard`: the mean |vLLM - trainer| log-prob of the sampled tokens (over the step, and over each turn group
   of multi-turn episodes), above a limit calibrated at the first rollout step, means vLLM serves other weights than
   the trainer's (a broken or skipped sync); judged before the step's update, which it stops.
@@ -18,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from grpo.config import MAX_LOGPROB_DIFF, RecipeConfig
+from grpo.engines.interface import RolloutAbandoned, stop_requested
 from grpo.parallel import reduce_across_ranks
 
 log = logging.getLogger("grpo")
@@ -48,7 +50,10 @@ def stop_if_nonfinite(where: str, quantities: dict[str, torch.Tensor], last_chec
 
 
 class StopRequest:
-    """SIGINT/SIGTERM only set a flag: the loop checks it between phases, saves a checkpoint and exits."""
+    """SIGINT/SIGTERM set a flag: the loop checks it between phases, saves a checkpoint and exits. One that comes
+    while the rollout waits on tools or on the server (a hung tool waits up to tool_calling.timeout_s, a server
+    request as long as it generates) also ends that wait with `RolloutAbandoned`: the step in progress is given up
+    and the checkpoint is the previous step's, within seconds, well inside a launcher's grace period."""
 
     def __init__(self):
         self.signum = 0
@@ -56,11 +61,18 @@ class StopRequest:
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame) -> None:
-        if not self.signum:
+        first, self.signum = not self.signum, self.signum or signum
+        abandon = stop_requested()
+        if first:
             log.warning(
-                "%s received: stopping at the next step boundary, after a checkpoint", signal.Signals(signum).name
+                "%s received: %s",
+                signal.Signals(signum).name,
+                "abandoning the rollout step in progress, then a checkpoint of the last finished step"
+                if abandon
+                else "stopping at the next step boundary, after a checkpoint",
             )
-        self.signum = signum
+        if abandon:
+            raise RolloutAbandoned(f"{signal.Signals(signum).name} during the rollout")
 
     def agreed(self) -> int:
         """The signal any rank received (a collective, so that all ranks stop at the same point), or 0."""

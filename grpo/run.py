@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from grpo.parallel import (
     init_distributed,
 )
 from grpo.policy_versions import PolicyVersions
-from grpo.run_folder import output_dir_problem, resume_or_new_run, start_run_dir
+from grpo.run_folder import output_dir_problem, resume_or_new_run, run_folder, start_run_dir
 from grpo.trackers import Trackers, check_report_to
 from merge.vllm_compat import vllm_unservable_lora_targets
 from padding.packed_attention import PACKED_SDPA  # noqa: F401  (registers attn_implementation="packed_sdpa")
@@ -324,6 +325,8 @@ def build_optimizer(cfg: RecipeConfig, model: torch.nn.Module, total_updates: in
 
 def setup(cfg: RecipeConfig) -> Run:
     """Processes, run folder, data, policy, optimizer, rollout engine; resumed from a checkpoint if asked."""
+    # imports made later (lazy ones, vLLM's plugins) find the same modules should a tool change the working directory
+    sys.path[:] = [os.path.abspath(entry) for entry in sys.path]
     fsdp = fsdp_settings()
     check_compute_dtype(cfg, fsdp)
     rank, world, device = init_distributed()
@@ -331,7 +334,7 @@ def setup(cfg: RecipeConfig) -> Run:
     tools = load_tools(cfg.tools)  # a tool that cannot be imported or described: refused before any work
     # refuses what the engine cannot do here (or a server that is not there), before any work
     start_engine = prepare_engine(cfg, rank=rank, world=world, device_type=device.type)
-    named_dir = Path(cfg.output_dir) / cfg.run_name
+    named_dir = run_folder(cfg)
     cfg, resume, resumed_state = resume_or_new_run(cfg)
     resumed = resumed_state.get("rollout_step", 0)
     trackers = check_report_to(cfg.report_to)

@@ -30,11 +30,18 @@ def free_run_name(output_dir: str, run_name: str) -> str:
     return name
 
 
+def run_folder(cfg: RecipeConfig) -> Path:
+    """<output_dir>/<run_name>/ as an absolute path, taken at start-up: every file the run writes is under it, so a
+    tool or library that changes the working directory mid-run changes nothing of where they go."""
+    return Path(os.path.abspath(Path(cfg.output_dir) / cfg.run_name))
+
+
 def resume_or_new_run(cfg: RecipeConfig) -> tuple[RecipeConfig, Path | None, dict]:
     """(config, checkpoint, its trainer state): the checkpoint that resume_from_checkpoint names, or for a new run
     none and the config with a run_name whose folder holds no earlier run's checkpoints."""
     named_dir = Path(cfg.output_dir) / cfg.run_name
     resume = resolve_checkpoint(cfg.resume_from_checkpoint, named_dir) if cfg.resume_from_checkpoint else None
+    resume = Path(os.path.abspath(resume)) if resume else None  # compared with the run's absolute checkpoint paths
     if resume is None:  # a new run never writes over an earlier run's checkpoints
         cfg = dataclasses.replace(cfg, run_name=free_run_name(cfg.output_dir, cfg.run_name))
     if resume:
@@ -46,7 +53,7 @@ def resume_or_new_run(cfg: RecipeConfig) -> tuple[RecipeConfig, Path | None, dic
 def start_run_dir(cfg: RecipeConfig, rank: int, resume: Path | None, resumed_rollout_step: int) -> Path:
     """Create <output_dir>/<run_name>/ (rank 0), route the log into its train.log; on resume, trim metrics.jsonl
     and timeline.jsonl."""
-    run_dir = Path(cfg.output_dir) / cfg.run_name
+    run_dir = run_folder(cfg)
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(message)s",

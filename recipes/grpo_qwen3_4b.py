@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from grpo.config import ConfigError, RecipeConfig, config_to_dict, load_config
 from grpo.exits import exit_finished, exit_refused, exit_with_line
@@ -70,6 +69,7 @@ from tqdm.auto import tqdm
 
 from grpo.checkpointing import checkpoint_path, rng_state, save_adapter, save_checkpoint, set_rng_state
 from grpo.data import group_advantages, make_batch, score, select
+from grpo.engines.interface import RolloutAbandoned, rollout_in_progress
 from grpo.engines.server import ServerError
 from grpo.episodes.metrics import tool_stats
 from grpo.episodes.tool_watch import ToolUseWatch
@@ -127,7 +127,8 @@ def rollout(run: Run, rollout_step: int):
     """2. num_generations completions of each of this rank's prompts, from the rollout queue: sampled now, or (max
     staleness >= 1) sent up to max_staleness syncs ago. Returns (rows, samples, metrics)."""
     t0 = time.perf_counter()
-    samples, queue_metrics = run.rollouts.take(rollout_step, use_tqdm=run.rank == 0)
+    with rollout_in_progress():  # a stop signal while it waits on tools or the server abandons it
+        samples, queue_metrics = run.rollouts.take(rollout_step, use_tqdm=run.rank == 0)
     tokens = sum(len(s.completion_ids) if s.tool_mask is None else sum(s.tool_mask) for s in samples)  # sampled ones
     metrics = dict(rollout_s=time.perf_counter() - t0, rollout_tokens=tokens, **queue_metrics, **tool_stats(samples))
     return run.prompts_for(rollout_step), samples, metrics
@@ -432,7 +433,10 @@ def main(cfg: RecipeConfig) -> None:
     tool_watch = ToolUseWatch() if run.cfg.tools else None  # reward rising while the tool calls die out
     for rollout_step in range(run.resumed_rollout_step + 1, run.num_rollout_steps + 1):
         t_step, rng_at_start = time.perf_counter(), rng_state()  # the engine samples from the process's RNG
-        rows, samples, phases = generation_phase(run, rollout_step)
+        try:
+            rows, samples, phases = generation_phase(run, rollout_step)
+        except RolloutAbandoned:  # a stop signal while the rollout waited (its flag is set): given up below
+            pass
         signum = stop.agreed()
         if signum:  # abandon this step: nothing was updated yet, so the state is the one after the previous one
             rollout_step -= 1
@@ -457,8 +461,8 @@ def main(cfg: RecipeConfig) -> None:
     if not signum and run.eval_due(rollout_step) and rollout_step > run.resumed_rollout_step:
         final_evaluation(run, rollout_step)
     finish(run, rollout_step, signum)
-    if signum:
-        sys.exit(128 + signum)
+    if signum:  # without the interpreter's slow teardown: a launcher kills what outlasts its grace period
+        exit_finished(128 + signum)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +113,42 @@ def test_nonfinite_loss_stops_before_the_update(tmp_path, tiny_model, dtype):
     checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"), key=checkpoint_step)
     assert checkpoints and checkpoint_step(checkpoints[-1]) == failed_step - 1
     assert f"the last good checkpoint is {checkpoints[-1]}" in proc.stderr
+
+
+def test_tools_that_exit_chdir_and_hang_end_only_their_calls_and_sigterm_stops_within_the_grace(
+    tmp_path, tiny_tool_model
+):
+    """tests/faulty_tools.py's calculator changes the working directory at every call, ends its calls of rollout
+    step 1 with SystemExit(3) or KeyboardInterrupt, then hangs (tool_calling.timeout_s=60); output_dir is relative.
+    Step 1's calls are failed calls and its metrics land in the run's folder; SIGTERM to the job while step 2's
+    tools hang abandons that step, and each rank stops with its line, leaving step 1's checkpoint, before the
+    launcher's 30 s grace would end it."""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    (tmp_path / "elsewhere").mkdir()
+    env = {**launch_env(), "FAULTY_TOOL_RUN": str(out / "run"), "FAULTY_TOOL_ELSEWHERE": str(tmp_path / "elsewhere")}
+    overrides = ["tools=[faulty_tools:calculator]", "tool_calling.timeout_s=60", "save_steps=2", "eval_steps=null"]
+    command = launch_command(Path("out"), tiny_tool_model, *overrides, "max_steps=40", config="tiny_cpu_tools.yaml")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.time() + 600
+        while not list(out.glob("hanging-*")) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()[-5000:]
+        os.killpg(proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        proc.wait(timeout=25)  # the launcher would end the ranks at 30 s
+    stopped_in = time.monotonic() - start
+    print(f"stopped {stopped_in:.1f} s after SIGTERM")
+    stderr = log.read_text()
+    [step] = read_metrics(out)
+    assert step["rollout_step"] == 1 and step["tools/call_frequency"] > 0, step
+    assert step["tools/failure_frequency"] == 1.0  # every call ended with SystemExit or KeyboardInterrupt
+    checkpoints = list((out / "run").glob("checkpoint-*"))
+    assert [c.name for c in checkpoints] == ["checkpoint-2"] and checkpoint_step(checkpoints[0]) == 1
+    assert "abandoning the rollout step in progress" in stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}] stopped by SIGTERM after rollout step 1 of 20" in stderr, stderr[-5000:]
+    assert f"resume_from_checkpoint={(out / 'run' / 'checkpoint-2').resolve()}" in stderr
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_tool_model), str(checkpoints[0]))

@@ -7,6 +7,7 @@ vllm.mode=colocate) and `grpo.engines.server.ServerEngine` (a separate ``vllm se
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +34,56 @@ class Sample:
 
 class EngineStateError(RuntimeError):
     """A generation the engine cannot serve as asked: outside a generation phase, or on discarded weights."""
+
+
+class RolloutAbandoned(Exception):
+    """A stop signal came while the rollout waited on tools or on the server: the rollout step is given up (its
+    requests are aborted when the engine closes, its tool calls left to their daemon threads)."""
+
+
+class _Abandoning:
+    """Where a stop signal may end the rollout at once (`StopRequest`): the main thread is inside the rollout
+    (`rollout_in_progress`) and waiting there on tools or the server (`abandonable_wait`), never in a collective, a
+    checkpoint or vLLM's own code. Only the main thread, where Python runs signal handlers, counts."""
+
+    in_rollout = False
+    waits = 0
+    stopping = False  # a stop signal came: every later wait of a rollout gives it up on entry
+
+
+@contextlib.contextmanager
+def rollout_in_progress():
+    """The recipe's rollout (`RolloutQueue.take`): a stop signal during one of its waits abandons it."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _Abandoning.in_rollout = True
+    try:
+        yield
+    finally:
+        if main:
+            _Abandoning.in_rollout = False
+
+
+@contextlib.contextmanager
+def abandonable_wait():
+    """A wait on tools or on the server that holds nothing a stop would leave half done (no collective)."""
+    main = threading.current_thread() is threading.main_thread()
+    if main and _Abandoning.in_rollout and _Abandoning.stopping:
+        raise RolloutAbandoned("a stop signal came during the rollout")
+    if main:
+        _Abandoning.waits += 1
+    try:
+        yield
+    finally:
+        if main:
+            _Abandoning.waits -= 1
+
+
+def stop_requested() -> bool:
+    """Called by a stop signal's handler (on the main thread): the rollout's later waits give it up on entry;
+    whether the handler may raise `RolloutAbandoned` now, inside one."""
+    _Abandoning.stopping = True
+    return _Abandoning.in_rollout and _Abandoning.waits > 0
 
 
 class Engine(Protocol):

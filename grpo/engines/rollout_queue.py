@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from grpo.engines.interface import Engine, EngineStateError, Sample
+from grpo.engines.interface import Engine, EngineStateError, RolloutAbandoned, Sample, abandonable_wait
 from grpo.engines.server import ServerError
 
 
@@ -76,11 +76,13 @@ class RolloutQueue:
 
 def receive_on_every_rank(engine, pending) -> list[Sample]:
     """`engine.receive`, with a failure on any rank raised on every rank (the same line): a rank that stopped alone
-    would leave the others waiting in the update's collectives."""
+    would leave the others waiting in the update's collectives. A stop signal during the wait abandons the rollout
+    (`RolloutAbandoned`) on every rank alike."""
     failure = None
     try:
-        samples = engine.receive(pending)
-    except (ServerError, EngineStateError) as error:
+        with abandonable_wait():
+            samples = engine.receive(pending)
+    except (ServerError, EngineStateError, RolloutAbandoned) as error:
         failure = error
     if torch.distributed.is_initialized():
         failures = [None] * torch.distributed.get_world_size()

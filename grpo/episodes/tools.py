@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from grpo.config import ConfigError
+from grpo.engines.interface import RolloutAbandoned, abandonable_wait
 from grpo.episodes.parsers import typed_arguments
 from merge.server_health import start_in_daemon_threads
 
@@ -56,28 +57,32 @@ class ToolCaller:
 
     def run(self, calls: list[dict | str]) -> list[tuple[str, str, bool]]:
         """(tool name, result text, failed) per call, the calls run concurrently (daemon threads: a hung tool is
-        abandoned at its timeout, never waited for)."""
+        abandoned at its timeout, never waited for). A tool ends nothing but its own call: whatever it raises,
+        ``SystemExit`` (a library's ``sys.exit``) and ``KeyboardInterrupt`` included, is its error result; a stop
+        signal to the trainer during the wait abandons the rollout (`RolloutAbandoned`, raised in this thread)."""
         futures = start_in_daemon_threads([lambda c=c: self._invoke(c) for c in calls], max_workers=8)
         results = []
-        for call, future in zip(calls, futures):
-            name = call["name"] if isinstance(call, dict) else "unknown"
-            try:
-                value = future.result(timeout=self.timeout_s)
-            except TimeoutError:
-                results.append((name, error_result(f"tool {name!r} timed out after {self.timeout_s:g} s"), True))
-                continue
-            except Exception as err:  # noqa: BLE001 - a tool's own error is the model's result
-                results.append((name, error_result(f"{type(err).__name__}: {err}"), True))
-                continue
-            if not isinstance(value, str):
-                problem = f"tool {name!r} returned {type(value).__name__}, not str"
-                results.append((name, error_result(problem), True))
-            elif len(value) > self.max_output_chars:
-                problem = f"tool {name!r} returned {len(value)} characters, over the cap of {self.max_output_chars}"
-                results.append((name, error_result(problem), True))
-            else:
-                results.append((name, value, False))
+        with abandonable_wait():
+            for call, future in zip(calls, futures):
+                results.append(self._result(call, future))
         return results
+
+    def _result(self, call: dict | str, future) -> tuple[str, str, bool]:
+        name = call["name"] if isinstance(call, dict) else "unknown"
+        try:
+            value = future.result(timeout=self.timeout_s)
+        except TimeoutError:
+            return name, error_result(f"tool {name!r} timed out after {self.timeout_s:g} s"), True
+        except RolloutAbandoned:  # raised by the stop signal's handler in this thread, not by the tool
+            raise
+        except BaseException as err:  # noqa: BLE001 - a tool's own error (raised in its thread) is the model's result
+            return name, error_result(f"{type(err).__name__}: {err}"), True
+        if not isinstance(value, str):
+            return name, error_result(f"tool {name!r} returned {type(value).__name__}, not str"), True
+        if len(value) > self.max_output_chars:
+            problem = f"tool {name!r} returned {len(value)} characters, over the cap of {self.max_output_chars}"
+            return name, error_result(problem), True
+        return name, value, False
 
     def _invoke(self, call: dict | str):
         if isinstance(call, str):
