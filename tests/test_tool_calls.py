@@ -15,6 +15,7 @@ from grpo.episodes.parsers import parse_tool_calls, resolve_parser, typed_argume
 from grpo.episodes.tool_watch import ToolUseWatch
 from grpo.episodes.tools import ToolCaller
 from grpo.metrics import tool_metrics
+from grpo.run_folder import run_folder
 
 
 def repeat(text: str, times: int) -> str:
@@ -154,3 +155,45 @@ def test_the_parser_key_is_checked_and_a_parser_that_cannot_read_the_template_is
             resolve_parser("auto", tokenizer)
     finally:
         tokenizer.chat_template = shipped
+
+
+def exits(code: int) -> str:
+    """End the process, as a library calling sys.exit does.
+
+    Args:
+        code: the exit code
+    """
+    raise SystemExit(code)
+
+
+def interrupts(x: int) -> str:
+    """Raise KeyboardInterrupt from the tool's own code.
+
+    Args:
+        x: anything
+    """
+    raise KeyboardInterrupt
+
+
+def test_a_tool_raising_system_exit_or_keyboard_interrupt_ends_only_its_own_call():
+    caller = ToolCaller({"exits": exits, "interrupts": interrupts, "multiply": multiply}, timeout_s=5)
+    calls = [
+        {"name": "exits", "arguments": {"code": 3}},
+        {"name": "interrupts", "arguments": {"x": 1}},
+        {"name": "multiply", "arguments": {"a": 6, "b": 7}},
+    ]
+    results = caller.run(calls)
+    assert [(name, failed) for name, _, failed in results] == [
+        ("exits", True),
+        ("interrupts", True),
+        ("multiply", False),
+    ]
+    assert "SystemExit: 3" in results[0][1] and "KeyboardInterrupt" in results[1][1] and results[2][1] == "42"
+
+
+def test_the_run_folder_is_absolute_so_a_tools_chdir_moves_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["output_dir=runs"])
+    folder = run_folder(cfg)
+    monkeypatch.chdir(tmp_path.parent)
+    assert folder.is_absolute() and folder == tmp_path / "runs" / cfg.run_name
