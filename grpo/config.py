@@ -32,7 +32,7 @@ from grpo.loss import check_supported as check_supported_loss
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 # vllm.max_logprob_diff when unset, per model.dtype. Measured (results/README.md): a working sync's mean |vLLM -
-# trainer| log-prob is ~3e-7 in fp32, 1.2-2.1e-4 in fp16, 0.4-2e-3 in bf16 on the embedded default and ~9e-3 in bf16
+# trainer| log-prob is ~3e-7 in fp32, 1.2-2.0e-4 in fp16, 0.4-2e-3 in bf16 on the embedded default and ~9e-3 in bf16
 # on the 2-layer Qwen3-4B slice; a skipped sync reaches 2.3e-2 within 3 rollout steps at lr 1e-3 in bf16. The guard
 # also allows 10x the first step's own figure (grpo/faults.py): kernels that differ more are not stopped by these.
 MAX_LOGPROB_DIFF = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
