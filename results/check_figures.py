@@ -67,13 +67,9 @@ NOT_SWEPT = (
     "docs/async.md",
     "docs/configuration.md",
     "docs/gpus.md",
-    "docs/how_it_works.md",
-    "docs/moe.md",
     "docs/precision.md",
     "docs/server.md",
-    "docs/trl.md",
     "docs/troubleshooting.md",
-    "results/README.md",
 )
 
 
