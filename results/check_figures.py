@@ -66,11 +66,7 @@ NOT_PROSE = re.compile(r"<!--.*?-->|`[^`]*`|\]\([^)]*\)|https?://\S+")
 NOT_SWEPT = (
     "docs/async.md",
     "docs/gpus.md",
-    "docs/how_it_works.md",
-    "docs/moe.md",
     "docs/server.md",
-    "docs/trl.md",
-    "results/README.md",
 )
 
 
