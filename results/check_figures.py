@@ -61,9 +61,6 @@ PLOT_LINE = re.compile(r"\.venv/bin/python (?:recipes|bench)/plot_\w+\.py .*--ou
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)*(?:e[-+]?\d+)?")
 UNIT = re.compile(r"\s?(?:s|ms|min|%|×|GiB|GB|MiB|MB|tokens/s)(?![\w/])")
 NOT_PROSE = re.compile(r"<!--.*?-->|`[^`]*`|\]\([^)]*\)|https?://\S+")
-# Files whose figures are not swept for untagged numbers yet: their tagged figures are checked, their untagged ones
-# only counted (the summary line says how many); a file leaves this list once each of its numbers carries a tag.
-NOT_SWEPT = ()
 
 
 def published_files() -> list[Path]:
@@ -279,20 +276,17 @@ def check_runs_table() -> list[str]:
     return problems
 
 
-def check_figures(files: list[Path], tables: Path, not_swept: tuple[str, ...] = ()) -> tuple[list[str], int, int]:
-    """(the problems, the number of figures checked, the number of untagged figures counted in ``not_swept``) of the
-    figures in ``files``: each tagged one recomputed, each untagged one a problem unless its file is ``not_swept``."""
-    problems, checked, counted = [], 0, 0
+def check_figures(files: list[Path], tables: Path) -> tuple[list[str], int]:
+    """(the problems, the number of figures checked) of the figures in ``files``: each tagged one recomputed, each
+    untagged figure-like number a problem."""
+    problems, checked = [], 0
     for path in files:
         name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
         text = path.read_text()
-        untagged = untagged_figures(text)
-        if name in not_swept:
-            counted += len(untagged)
-        else:
-            problems += [
-                f"{name}:{line}: {written} has no tag (its source, or const/calc)" for line, written in untagged
-            ]
+        problems += [
+            f"{name}:{line}: {written} has no tag (its source, or const/calc)"
+            for line, written in untagged_figures(text)
+        ]
         for number, line in enumerate(text.splitlines(), 1):
             place = f"{name}:{number}"
             for tag in TAG.finditer(line):
@@ -309,7 +303,7 @@ def check_figures(files: list[Path], tables: Path, not_swept: tuple[str, ...] = 
                     problems.append(f"{place}: {written} ({query}) is {value:.6g} in its source")
             if "<!--fig" in line and len(TAG.findall(line)) != line.count("<!--fig"):
                 problems.append(f"{place}: a figure tag without a number right before it")
-    return problems, checked, counted
+    return problems, checked
 
 
 def main(argv: list[str]) -> int:
@@ -319,14 +313,14 @@ def main(argv: list[str]) -> int:
     files = [Path(a).resolve() for a in argv] or published_files()
     with tempfile.TemporaryDirectory() as tables:
         problems = redraw(Path(tables))
-        figure_problems, checked, counted = check_figures(files, Path(tables), NOT_SWEPT)
+        figure_problems, checked = check_figures(files, Path(tables))
     problems += figure_problems + check_runs_table()
     for problem in problems:
         print(problem)
     plots = len(plot_commands())
     print(
-        f"{plots} plots redrawn, {checked} tagged figures checked in {len(files)} files: {len(problems)} stale; "
-        f"{counted} untagged numbers in the files not swept yet ({', '.join(NOT_SWEPT)})"
+        f"{plots} plots redrawn, {checked} tagged figures checked in {len(files)} files: "
+        f"{len(problems)} stale or untagged"
     )
     return 1 if problems else 0
 

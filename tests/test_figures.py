@@ -7,7 +7,6 @@ import shutil
 import pytest
 
 from results.check_figures import (
-    NOT_SWEPT,
     RESULTS,
     ROOT,
     check_figures,
@@ -31,8 +30,7 @@ def test_an_edited_number_is_named_with_its_place_and_its_source_value(tmp_path)
     assert "0.52<!--fig run tiny-cpu-server sync_s first-->" in text
     edited.write_text(text.replace("0.52<!--fig run", "0.62<!--fig run"))
     shutil.copy(ROOT / "docs" / "server.md", tmp_path / "control.md")
-    files = [edited, tmp_path / "control.md"]  # docs/server.md is not swept for untagged numbers yet
-    problems, checked, _ = check_figures(files, tables=RESULTS, not_swept=tuple(map(str, files)))  # committed tables
+    problems, checked = check_figures([edited, tmp_path / "control.md"], tables=RESULTS)  # the committed tables
     assert checked > 2 * 5
     assert (
         len(problems) == 1 and "server.md:" in problems[0] and "0.62 (run tiny-cpu-server sync_s first)" in problems[0]
@@ -104,7 +102,7 @@ def test_a_figure_without_a_tag_is_found_and_a_tagged_or_marked_one_is_not():
 
 
 def test_an_untagged_figure_fails_the_check_and_a_stale_models_readme_figure_too(tmp_path):
-    """An untagged figure added to a swept file is a problem; so is models/README.md's tool-call rate edited from its
+    """An untagged figure added to README.md is a problem; so is models/README.md's tool-call rate edited from its
     build_info.json's 0.359 to 0.352. Control: the committed files have neither."""
     readme, models = tmp_path / "README.md", tmp_path / "models.md"
     text = (ROOT / "README.md").read_text()
@@ -112,9 +110,7 @@ def test_an_untagged_figure_fails_the_check_and_a_stale_models_readme_figure_too
     tagged = "0.359<!--fig build tiny-qwen3-tools tool_call_rate-->"
     assert tagged in (ROOT / "models" / "README.md").read_text()
     models.write_text((ROOT / "models" / "README.md").read_text().replace(tagged, tagged.replace("0.359", "0.352")))
-    problems, _, _ = check_figures([readme, models], tables=RESULTS)
+    problems, _ = check_figures([readme, models], tables=RESULTS)
     assert len(problems) == 2, problems
     assert "85 has no tag" in problems[0] and "0.352 (build tiny-qwen3-tools tool_call_rate) is 0.359" in problems[1]
-    committed = [ROOT / "README.md", ROOT / "models" / "README.md"]
-    assert all(f.relative_to(ROOT).as_posix() not in NOT_SWEPT for f in committed)
-    assert check_figures(committed, tables=RESULTS)[0] == []
+    assert check_figures([ROOT / "README.md", ROOT / "models" / "README.md"], tables=RESULTS)[0] == []
