@@ -1,6 +1,6 @@
 """What a vLLM server must serve for a trainer to score its samples, read from its ``/server_info`` (a
 ``VLLM_SERVER_DEV_MODE=1`` route): `server_setting_problems` names each setting to change, for the recipe's server
-engine (`grpo.engines.server.ServerEngine.check_settings`) and for TRL's (`merge.trl`) alike; `cache_salt_problems`
+engine (`grpo.engines.server.check_server_settings`) and for TRL's (`merge.trl`) alike; `cache_salt_problems`
 asks a prefix-caching server whether it keeps apart what each request's ``cache_salt`` says to."""
 
 from __future__ import annotations

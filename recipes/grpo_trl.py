@@ -21,7 +21,8 @@ at a time.
 Server mode (``--config recipes/configs/trl_tiny_cpu_server.yaml``, the server started first as docs/trl.md shows):
 TRL's ``vllm_mode: server`` against a ``vllm serve`` with the ``lora_merge`` weight-transfer backend; the trainer is
 built inside ``merge.trl.lora_merge_server_client()`` and each sync sends only the LoRA factors. The server's
-settings are checked first (``ServerEngine.check_settings``: processed log-probs, dtype, no prefix cache, length).
+settings are checked first (``grpo.engines.server.check_server_settings``: processed log-probs, dtype, no prefix
+cache, length).
 
 The tool task (``--config recipes/configs/trl_tiny_cpu_tools.yaml``): ``grpo/tasks/tiny_tools.py``'s model and product
 problems as chat prompts, trained by TRL's own multi-turn loop, ``GRPOTrainer(tools=[calculator])`` with
@@ -430,7 +431,7 @@ def setup(argv: list[str] | None = None):
                     model_args.model_name_or_path, size=script_args.build_tiny, seed=script_args.build_seed
                 )
     if training_args.vllm_mode == "server":
-        check_server_settings(training_args, model_args)
+        refuse_unfit_server(training_args, model_args)
     trainer = build_trainer(script_args, training_args, model_args, tools)
     refuse_unjoined_processes(trainer)
     installed = use_merged_lora_sync(trainer) if script_args.sync == "merged_lora_params" else None
@@ -467,16 +468,16 @@ def adapter_factor_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "lora_" in name)
 
 
-def check_server_settings(training_args, model_args) -> None:
+def refuse_unfit_server(training_args, model_args) -> None:
     """Server mode, before the model loads: the server samples what the trainer scores (processed log-probs, the
     model's dtype, no prefix cache, room for prompt + completion), else one line naming each flag to change."""
-    from grpo.engines.server import ServerEngine
+    from grpo.engines.server import check_server_settings
 
     url = (
         training_args.vllm_server_base_url
         or f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
     )
-    ServerEngine.check_settings(
+    check_server_settings(
         url,
         model_args.model_name_or_path,
         dtype=model_args.dtype,

@@ -402,7 +402,7 @@ def test_an_fp16_server_refuses_merged_weights_past_fp16s_range():
 
 
 class FakeServer:
-    """An HTTP server answering the routes `ServerEngine.check_server` probes, as a vLLM server would; ``backend``:
+    """An HTTP server answering the routes `check_server` probes, as a vLLM server would; ``backend``:
     whether /collective_rpc finds a weight-transfer engine. ``generate_delay``: seconds a generation takes (None:
     it never answers, as on a server whose engine is gone); ``health``: what /health answers (None: nothing)."""
 
@@ -522,29 +522,29 @@ class FakeServer:
 
 
 def test_unreachable_server_and_server_without_the_backend_are_one_line_each():
-    from grpo.engines.server import ServerEngine, ServerError
+    from grpo.engines.server import ServerError, check_server
 
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerError, match="no vLLM server answers") as caught:
-        ServerEngine.check_server(url, "cache/tiny-qwen3-gsm8k")
+        check_server(url, "cache/tiny-qwen3-gsm8k")
     message = str(caught.value)
     assert url in message and "--weight-transfer-config" in message and "\n" not in message
     fake = FakeServer(backend=False)
     try:
         with pytest.raises(ServerError, match="has no weight-transfer backend") as caught:
-            ServerEngine.check_server(fake.url, "cache/tiny-qwen3-gsm8k")
+            check_server(fake.url, "cache/tiny-qwen3-gsm8k")
         assert '--weight-transfer-config \'{"backend": "lora_merge"}\'' in str(caught.value)
-        ServerEngine.check_server(fake.url, "cache/tiny-qwen3-gsm8k", merge=False)  # LoRA serving needs none
+        check_server(fake.url, "cache/tiny-qwen3-gsm8k", merge=False)  # LoRA serving needs none
     finally:
         fake.stop()
 
 
 def test_a_server_whose_settings_differ_from_the_runs_is_refused_naming_each_flag():
-    from grpo.engines.server import ServerEngine, ServerError
+    from grpo.engines.server import ServerError, check_server_settings
 
     fake = FakeServer(backend=True)
     try:
-        ServerEngine.check_settings(fake.url, "m", dtype="float32", max_model_len=160)  # the control: all match
+        check_server_settings(fake.url, "m", dtype="float32", max_model_len=160)  # the control: all match
         fake.server_info["model_config"].update(
             logprobs_mode="raw_logprobs", dtype="torch.bfloat16", quantization="fp8", max_model_len=128
         )
@@ -552,7 +552,7 @@ def test_a_server_whose_settings_differ_from_the_runs_is_refused_naming_each_fla
         fake.cache_keys = "unsalted"
         fake.server_info["parallel_config"] = {"data_parallel_size": 2, "data_parallel_hybrid_lb": True}
         with pytest.raises(ServerError, match="cannot serve this run") as caught:
-            ServerEngine.check_settings(fake.url, "m", dtype="float32", max_model_len=160)
+            check_server_settings(fake.url, "m", dtype="float32", max_model_len=160)
         message = str(caught.value)
         flags = ("processed_logprobs", "ignores cache_salt", "--dtype float32", "fp8", "--max-model-len 160")
         flags += ("--data-parallel-hybrid-lb",)
@@ -563,11 +563,11 @@ def test_a_server_whose_settings_differ_from_the_runs_is_refused_naming_each_fla
 
 
 def test_a_prefix_cache_is_accepted_only_where_it_honours_the_salt_every_request_carries():
-    from grpo.engines.server import ServerEngine, ServerError
+    from grpo.engines.server import ServerError, check_server_settings
 
     fake = FakeServer(backend=True)
     fake.server_info["cache_config"].update(enable_prefix_caching=True, block_size=16)
-    check = functools.partial(ServerEngine.check_settings, fake.url, "m", dtype="float32", max_model_len=160)
+    check = functools.partial(check_server_settings, fake.url, "m", dtype="float32", max_model_len=160)
     try:
         check()  # keyed by salt and reporting cached tokens: accepted
         assert fake.posts.count("/inference/v1/generate") == 3
@@ -590,16 +590,16 @@ def test_a_server_left_paused_is_resumed_at_start_up_before_the_cache_probe(capl
     """A trainer stopped while it held a weight update's pause leaves the server paused; the next run's start-up
     finds it so (/is_paused), resumes it and logs it, and the cache-salt probe then answers. The control: a server
     that is not paused is not resumed."""
-    from grpo.engines.server import ServerEngine
+    from grpo.engines.server import check_server, check_server_settings
 
     fake = FakeServer(backend=True)
     fake.server_info["cache_config"].update(enable_prefix_caching=True, block_size=16)
-    check = functools.partial(ServerEngine.check_settings, fake.url, "m", dtype="float32", max_model_len=160)
+    check = functools.partial(check_server_settings, fake.url, "m", dtype="float32", max_model_len=160)
     try:
         check()
         assert "/resume" not in fake.posts and "was paused" not in caplog.text
         requests.post(f"{fake.url}/pause", params={"mode": "keep"}, timeout=10)
-        ServerEngine.check_server(fake.url, "m")
+        check_server(fake.url, "m")
         # on a paused server each probe request would wait out its 120 s
         ThreadPoolExecutor(1).submit(check).result(timeout=60)
         assert not fake.paused.is_set() and fake.posts.count("/resume") == 1

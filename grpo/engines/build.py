@@ -14,7 +14,7 @@ from collections.abc import Callable
 from grpo.config import ConfigError, RecipeConfig
 from grpo.engines.colocated import ColocatedEngine, recipe_llm_kwargs
 from grpo.engines.interface import Engine
-from grpo.engines.server import ServerEngine
+from grpo.engines.server import ServerEngine, check_server, check_server_settings
 
 
 def prepare_engine(cfg: RecipeConfig, *, rank: int, world: int, device_type: str) -> Callable[[], Engine]:
@@ -28,9 +28,9 @@ def prepare_engine(cfg: RecipeConfig, *, rank: int, world: int, device_type: str
                 "lora_merge backend sends LoRA factors only); drop them, or train with vllm.mode=colocate"
             )
         url, model, merge = cfg.vllm.server_url, cfg.model.name_or_path, cfg.lora.merge
-        ServerEngine.check_server(url, model, merge=merge)
+        check_server(url, model, merge=merge)
         max_model_len = cfg.data.max_prompt_length + cfg.max_completion_length
-        ServerEngine.check_settings(url, model, dtype=cfg.model.dtype, max_model_len=max_model_len, merge=merge)
+        check_server_settings(url, model, dtype=cfg.model.dtype, max_model_len=max_model_len, merge=merge)
         return functools.partial(ServerEngine.from_config, cfg, rank=rank, world=world, device_type=device_type)
     llm_kwargs = recipe_llm_kwargs(cfg, rank=rank, world=world, device_type=device_type)  # built once, checked now
     return functools.partial(ColocatedEngine.from_config, cfg, llm_kwargs)

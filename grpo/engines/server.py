@@ -12,6 +12,10 @@ lora.merge=false: rank 0 saves the adapter where the server can read it and load
 and every completion must come back sampled from that version (``weight_versions``): another version stops the run
 naming both.
 
+Before the model loads, `check_server` (the routes and the weight-transfer backend) and `check_server_settings`
+(what the trainer scores: log-probs, dtype, prefix cache, length) refuse a server that cannot serve the run, for
+this engine and for TRL's server mode (recipes/grpo_trl.py) alike.
+
 The server (started by the user; docs/server.md):
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <model> --enable-scale-out \\
@@ -72,6 +76,93 @@ def serve_command(url: str, model: str, merge: bool = True) -> str:
         "--max-num-batched-tokens 16384 "
         f"{lora}".strip()
     )
+
+
+def check_server(url: str, model: str, merge: bool = True) -> None:
+    """Before the model loads: the server answers, runs the RL routes, serves token ids and has a
+    weight-transfer backend; else one line naming what is missing and the command that starts it."""
+    import requests
+
+    url = url.rstrip("/")
+    command = serve_command(url, model, merge)
+    try:
+        requests.get(f"{url}/health", timeout=30).raise_for_status()
+    except requests.RequestException as error:
+        raise ServerError(
+            f"no vLLM server answers at vllm.server_url={url} ({type(error).__name__}); start it first: {command}"
+        ) from None
+    if requests.get(f"{url}/is_paused", timeout=30).status_code == 404:
+        raise ServerError(
+            f"the vLLM server at {url} has no RL routes (/pause, /update_weights): start it "
+            f"with VLLM_SERVER_DEV_MODE=1: {command}"
+        )
+    if requests.post(f"{url}/inference/v1/generate", json={}, timeout=30).status_code in (403, 404):
+        raise ServerError(
+            f"the vLLM server at {url} does not serve token ids (/inference/v1/generate): "
+            f"start it with --enable-scale-out: {command}"
+        )
+    check = requests.post(f"{url}/collective_rpc", json={"method": "_check_weight_transfer_engine"}, timeout=30)
+    if merge and check.status_code != 200:
+        raise ServerError(
+            f"the vLLM server at {url} has no weight-transfer backend: start it with "
+            f'--weight-transfer-config \'{{"backend": "lora_merge"}}\': {command}'
+        )
+
+
+def check_server_settings(
+    url: str, model: str, *, dtype: str, max_model_len: int, merge: bool = True, salted: bool = True
+) -> None:
+    """Before the model loads: the server samples what the trainer scores (processed log-probs, model.dtype,
+    unquantized weights, a prefix cache that honours each request's ``cache_salt``, or none where the requests
+    are not ``salted``) and holds a prompt with its completion; else one line naming each flag to change
+    (vLLM's /server_info, a VLLM_SERVER_DEV_MODE route). A server a stopped trainer left paused is resumed."""
+    import requests
+
+    url = url.rstrip("/")
+    command = serve_command(url, model, merge)
+    try:
+        response = requests.get(f"{url}/server_info", params={"config_format": "json"}, timeout=120)
+        config = response.json()["vllm_config"]
+        model_config, cache_config = config["model_config"], config["cache_config"]
+    except (requests.RequestException, ValueError, KeyError, TypeError) as error:
+        raise ServerError(
+            f"the vLLM server at {url} does not report its settings (/server_info: {type(error).__name__}); "
+            f"start it with VLLM_SERVER_DEV_MODE=1: {command}"
+        ) from None
+    try:  # before the cache probe, which a paused server would leave waiting
+        if resume_if_paused(url):
+            log.warning(
+                "the vLLM server at %s was paused (a trainer stopped during a weight update leaves it so): "
+                "resumed it; it serves its last complete weight version until the first sync",
+                url,
+            )
+    except (requests.RequestException, ValueError) as error:
+        raise ServerError(
+            f"the vLLM server at {url} is paused and could not be resumed (/is_paused, /resume: "
+            f"{type(error).__name__}); restart it: {command}"
+        ) from None
+    problems = server_setting_problems(config, merge)
+    if cache_config.get("enable_prefix_caching"):
+        if not salted:
+            problems.append("it caches prefixes; TRL's requests carry no cache_salt (--no-enable-prefix-caching)")
+        else:
+            try:
+                problems += cache_salt_problems(url, int(cache_config.get("block_size") or 16), max_model_len)
+            except (requests.RequestException, ValueError, KeyError, TypeError) as error:
+                raise ServerError(
+                    f"the vLLM server at {url} did not answer the prefix-cache probe (/inference/v1/generate: "
+                    f"{type(error).__name__}): check its log, or restart it: {command}"
+                ) from None
+    served = str(model_config.get("dtype")).removeprefix("torch.")
+    if served != dtype:
+        problems.append(f"it serves {served}, the trainer computes in model.dtype={dtype} (--dtype {dtype})")
+    if int(model_config.get("max_model_len") or 0) < max_model_len:
+        problems.append(
+            f"its max_model_len {model_config.get('max_model_len')} is shorter than data.max_prompt_length + "
+            f"max_completion_length = {max_model_len} (--max-model-len {max_model_len})"
+        )
+    if problems:
+        raise ServerError(f"the vLLM server at {url} cannot serve this run: {'; '.join(problems)}")
 
 
 def max_requests_in_flight(cfg, world: int) -> int:
@@ -139,7 +230,7 @@ class ServerEngine:
         self.precision_stats = precision_stats and self.wire_dtype is not None
         self.base_on_device = base_on_device  # the server's pristine base on its devices (default: host memory)
         self.server_timeout = server_timeout  # seconds of failed health checks before a wait on the server stops
-        self.check_server(self.url, model, merge)
+        check_server(self.url, model, merge)
         # a thread and a pooled connection per generation request in flight, at most max_in_flight (the rest wait
         # their turn): a request beyond the pool's size would be a connection opened, then discarded with a warning
         self.requests = RequestThreads(max_in_flight)
@@ -229,93 +320,6 @@ class ServerEngine:
 
     def _post(self, path: str, **kwargs):
         return self._request("POST", path, **kwargs)
-
-    @staticmethod
-    def check_server(url: str, model: str, merge: bool = True) -> None:
-        """Before the model loads: the server answers, runs the RL routes, serves token ids and has a
-        weight-transfer backend; else one line naming what is missing and the command that starts it."""
-        import requests
-
-        url = url.rstrip("/")
-        command = serve_command(url, model, merge)
-        try:
-            requests.get(f"{url}/health", timeout=30).raise_for_status()
-        except requests.RequestException as error:
-            raise ServerError(
-                f"no vLLM server answers at vllm.server_url={url} ({type(error).__name__}); start it first: {command}"
-            ) from None
-        if requests.get(f"{url}/is_paused", timeout=30).status_code == 404:
-            raise ServerError(
-                f"the vLLM server at {url} has no RL routes (/pause, /update_weights): start it "
-                f"with VLLM_SERVER_DEV_MODE=1: {command}"
-            )
-        if requests.post(f"{url}/inference/v1/generate", json={}, timeout=30).status_code in (403, 404):
-            raise ServerError(
-                f"the vLLM server at {url} does not serve token ids (/inference/v1/generate): "
-                f"start it with --enable-scale-out: {command}"
-            )
-        check = requests.post(f"{url}/collective_rpc", json={"method": "_check_weight_transfer_engine"}, timeout=30)
-        if merge and check.status_code != 200:
-            raise ServerError(
-                f"the vLLM server at {url} has no weight-transfer backend: start it with "
-                f'--weight-transfer-config \'{{"backend": "lora_merge"}}\': {command}'
-            )
-
-    @staticmethod
-    def check_settings(
-        url: str, model: str, *, dtype: str, max_model_len: int, merge: bool = True, salted: bool = True
-    ) -> None:
-        """Before the model loads: the server samples what the trainer scores (processed log-probs, model.dtype,
-        unquantized weights, a prefix cache that honours each request's ``cache_salt``, or none where the requests
-        are not ``salted``) and holds a prompt with its completion; else one line naming each flag to change
-        (vLLM's /server_info, a VLLM_SERVER_DEV_MODE route). A server a stopped trainer left paused is resumed."""
-        import requests
-
-        url = url.rstrip("/")
-        command = serve_command(url, model, merge)
-        try:
-            response = requests.get(f"{url}/server_info", params={"config_format": "json"}, timeout=120)
-            config = response.json()["vllm_config"]
-            model_config, cache_config = config["model_config"], config["cache_config"]
-        except (requests.RequestException, ValueError, KeyError, TypeError) as error:
-            raise ServerError(
-                f"the vLLM server at {url} does not report its settings (/server_info: {type(error).__name__}); "
-                f"start it with VLLM_SERVER_DEV_MODE=1: {command}"
-            ) from None
-        try:  # before the cache probe, which a paused server would leave waiting
-            if resume_if_paused(url):
-                log.warning(
-                    "the vLLM server at %s was paused (a trainer stopped during a weight update leaves it so): "
-                    "resumed it; it serves its last complete weight version until the first sync",
-                    url,
-                )
-        except (requests.RequestException, ValueError) as error:
-            raise ServerError(
-                f"the vLLM server at {url} is paused and could not be resumed (/is_paused, /resume: "
-                f"{type(error).__name__}); restart it: {command}"
-            ) from None
-        problems = server_setting_problems(config, merge)
-        if cache_config.get("enable_prefix_caching"):
-            if not salted:
-                problems.append("it caches prefixes; TRL's requests carry no cache_salt (--no-enable-prefix-caching)")
-            else:
-                try:
-                    problems += cache_salt_problems(url, int(cache_config.get("block_size") or 16), max_model_len)
-                except (requests.RequestException, ValueError, KeyError, TypeError) as error:
-                    raise ServerError(
-                        f"the vLLM server at {url} did not answer the prefix-cache probe (/inference/v1/generate: "
-                        f"{type(error).__name__}): check its log, or restart it: {command}"
-                    ) from None
-        served = str(model_config.get("dtype")).removeprefix("torch.")
-        if served != dtype:
-            problems.append(f"it serves {served}, the trainer computes in model.dtype={dtype} (--dtype {dtype})")
-        if int(model_config.get("max_model_len") or 0) < max_model_len:
-            problems.append(
-                f"its max_model_len {model_config.get('max_model_len')} is shorter than data.max_prompt_length + "
-                f"max_completion_length = {max_model_len} (--max-model-len {max_model_len})"
-            )
-        if problems:
-            raise ServerError(f"the vLLM server at {url} cannot serve this run: {'; '.join(problems)}")
 
     def cache_salt(self) -> str:
         """The ``cache_salt`` of a request sent now: this engine's and the weight version's. vLLM hashes it into a
