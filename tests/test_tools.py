@@ -43,13 +43,20 @@ class ScriptedEngine:
     """Answers turn k of every episode with ``turns[k]`` (ids, or a text tokenized canonically, then the eos), cut
     at the request's max_tokens; each sampled token's log-prob is -0.5. Records every request."""
 
-    def __init__(self, tokenizer, turns):
+    def __init__(self, tokenizer, turns, max_model_len=None):
         self.tokenizer, self.turns, self.requests = tokenizer, turns, []
         self.response_open = tokenizer.convert_tokens_to_ids("<tool_response>")
+        self.max_model_len = max_model_len  # a request past it is refused, as vLLM's server answers it (HTTP 400)
 
     def generate(self, prompt_ids, sampling, use_tqdm=False):
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
         self.requests.append([(list(ids), s.n, s.max_tokens) for ids, s in zip(prompt_ids, per_prompt)])
+        for ids, params in zip(prompt_ids, per_prompt):
+            if self.max_model_len is not None and len(ids) + params.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"max_tokens={params.max_tokens} with {len(ids)} prompt tokens exceeds max_model_len "
+                    f"{self.max_model_len}"
+                )
         samples = []
         for index, (ids, params) in enumerate(zip(prompt_ids, per_prompt)):
             turn = self.turns[min(ids.count(self.response_open), len(self.turns) - 1)]
@@ -63,13 +70,16 @@ class ScriptedEngine:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def tool_engine(tokenizer, turns, tools=(calculator,), **settings):
+def tool_engine(tokenizer, turns, tools=(calculator,), engine_max_model_len=None, **settings):
+    """A `ToolEngine` on a `ScriptedEngine` (refusing requests past ``engine_max_model_len``); ``settings``: the
+    config's (``max_model_len`` as `RecipeConfig.max_model_len` gives it, absent by default)."""
     cfg = SimpleNamespace(
         tool_calling=ToolCallingSettings(**settings.pop("tool_calling", {})),
         max_tool_calling_iterations=settings.pop("max_tool_calling_iterations", None),
         max_completion_length=settings.pop("max_completion_length", 64),
+        **settings,
     )
-    return ToolEngine(ScriptedEngine(tokenizer, turns), tokenizer, list(tools), cfg)
+    return ToolEngine(ScriptedEngine(tokenizer, turns, engine_max_model_len), tokenizer, list(tools), cfg)
 
 
 def prompt_ids(tokenizer, question="Ava buys 37 boxes of 48 pens. How many pens?"):
