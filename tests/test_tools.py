@@ -311,14 +311,15 @@ def wait_then_echo(key: str) -> str:
 class SendingEngine(ScriptedEngine):
     """A scripted server engine (`send` / `receive`): the first turn of a prompt asking for "slow" calls
     `wait_then_echo("slow")`, of any other `wait_then_echo("fast")`; every later turn answers. Records when each
-    request was sent, its ids and its seed."""
+    request was sent, its ids and its seed, and its route (`routes`, in order)."""
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer, [])
-        self.sent = []
+        self.sent, self.routes = [], []
 
-    def send(self, prompt_ids, sampling, seeds=None):
+    def send(self, prompt_ids, sampling, seeds=None, routes=None):
         self.sent.append([(time.monotonic(), list(ids), seed) for ids, seed in zip(prompt_ids, seeds)])
+        self.routes += [(list(ids), route) for ids, route in zip(prompt_ids, routes)]
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
         samples = []
         for index, (ids, params) in enumerate(zip(prompt_ids, per_prompt)):
@@ -365,6 +366,9 @@ def test_on_a_server_each_episode_sends_its_next_turn_when_its_own_tools_return(
     first = torch.randint(0, 2**31 - 1, (2,)).tolist()
     assert [seed for _, _, seed in sent[:2]] == first
     assert sorted(seed for _, _, seed in later) == sorted(turn_seed(first[e // 2], e, 2) for e in range(4))
+    # every turn of an episode is routed by its prompt (one engine of a data-parallel server holds its prefix)
+    assert all(route == (0 if ids[: len(prompts[0])] == prompts[0] else 1) for ids, route in engine.engine.routes)
+    assert len(engine.engine.routes) == 2 + 4
 
 
 class VersionedEngine(SendingEngine):
@@ -375,9 +379,9 @@ class VersionedEngine(SendingEngine):
         super().__init__(tokenizer)
         self.version = 1
 
-    def send(self, prompt_ids, sampling, seeds=None):
+    def send(self, prompt_ids, sampling, seeds=None, routes=None):
         version = self.version  # on arrival (before it is recorded as sent)
-        samples = super().send(prompt_ids, sampling, seeds)
+        samples = super().send(prompt_ids, sampling, seeds, routes)
         for sample in samples:
             sample.versions = [version] * len(sample.completion_ids)
         now = time.time()

@@ -149,10 +149,15 @@ class ToolEngine:
         """The episodes `send` started, once every one has ended; a turn's failure (the server gone) is raised."""
         return [self._sample(e) for e in pending.episodes.result()]
 
-    def _generate(self, histories, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list) -> list[Sample]:
+    def _generate(
+        self, histories, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list, routes: list[int]
+    ) -> list[Sample]:
+        """One turn of the histories. On a server each request carries its seed and its episode's prompt index as
+        its route: all episodes of a prompt start in one request, so each of their turns goes to that engine of a
+        data-parallel server, where its prefix is cached."""
         if seeds is None:
             return self.engine.generate(histories, sampling, use_tqdm=use_tqdm)
-        pending = self.engine.send(histories, sampling, seeds=seeds)
+        pending = self.engine.send(histories, sampling, seeds=seeds, routes=routes)
         turns.append(pending)  # the rollout's requests so far (other episodes' threads append theirs too)
         return self.engine.receive(pending)
 
@@ -162,7 +167,7 @@ class ToolEngine:
         """Each turn waits for every episode of the rollout, then goes out as one batch."""
         episodes, continuing = [], []
         first = self._first_turns(prompt_ids, sampling)
-        for sample in self._generate(prompt_ids, first, seeds, use_tqdm, turns):
+        for sample in self._generate(prompt_ids, first, seeds, use_tqdm, turns, list(range(len(prompt_ids)))):
             episodes.append(Episode(sample.prompt_ids, sample.prompt_index, number=len(episodes)))
             if self._after_turn(episodes[-1], sample):
                 continuing.append(episodes[-1])
@@ -176,7 +181,8 @@ class ToolEngine:
             later = (
                 None if seeds is None else [turn_seed(seeds[e.prompt_index], e.number, rounds + 1) for e in continuing]
             )
-            samples = self._generate(histories, per_episode, later, False, turns)
+            routes = [e.prompt_index for e in continuing]
+            samples = self._generate(histories, per_episode, later, False, turns, routes)
             continuing = [e for e, s in zip(continuing, samples) if self._after_turn(e, s)]
             rounds += 1
         return episodes
@@ -186,7 +192,7 @@ class ToolEngine:
         other episodes are doing (the tools of at most `tool_calling.max_concurrent` episodes run at once)."""
         first = self._first_turns(prompt_ids, sampling)
         first_turns = [
-            self.engine.send([ids], first if not isinstance(first, list) else [first[i]], seeds=[seed])
+            self.engine.send([ids], first if not isinstance(first, list) else [first[i]], seeds=[seed], routes=[i])
             for i, (ids, seed) in enumerate(zip(prompt_ids, seeds))
         ]
         turns += first_turns
@@ -208,7 +214,7 @@ class ToolEngine:
                 turn = one_sample(sampling, self._room(one))
                 history = one.prompt_ids + one.completion_ids
                 seed = turn_seed(seeds[index], number, rounds + 1)
-                (sample,) = self._generate([history], turn, [seed], False, turns)
+                (sample,) = self._generate([history], turn, [seed], False, turns, [index])
                 going, rounds = self._after_turn(one, sample), rounds + 1
 
         for future in start_in_daemon_threads([partial(prompt, i) for i in range(len(prompt_ids))], len(prompt_ids)):
