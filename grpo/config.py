@@ -71,12 +71,18 @@ class ModelSettings:
 class DataSettings:
     name: str = setting(
         "openai/gsm8k",
-        "hub id or local path, or 'generated' for the embedded GSM8K-style problems",
+        "hub id or local path, or 'generated' for the embedded GSM8K-style problems ('generated-tools': the tool "
+        "task's products, 'generated-key-chain': grpo/tasks/key_chain.py's chains)",
         range="a hub id, a local path or 'generated'",
     )
     config_name: str | None = setting("main", "the dataset's config name", range="a dataset config name or null")
     split: str = setting("train", "the training split", range="a split name")
     num_generated: int = setting(4096, "problems made when name == 'generated'", range=">= 1")
+    key_chain_hops: int = setting(
+        8,
+        "name == 'generated-key-chain': lookups per problem (grpo/tasks/key_chain.py; k hops are k + 1 model turns)",
+        range="in [2, 100]",
+    )
     prompt_template: str = setting(
         "{question}",
         "the prompt, formatted from the row's columns",

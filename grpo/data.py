@@ -63,12 +63,17 @@ def check_reward_columns(cfg: RecipeConfig, reward_funcs: list, problems: list[d
 def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
     """The rows of data.split (or ``split``) as dicts: the generated problems, a local file/folder, or a hub dataset."""
     split = split or cfg.data.split
+    seed = cfg.seed if split == cfg.data.split else cfg.seed + 1
     if cfg.data.name in ("generated", "generated-tools"):
         from grpo.tasks.tiny_gsm8k import make_problems
         from grpo.tasks.tiny_tools import make_tool_problems
 
         make = make_problems if cfg.data.name == "generated" else make_tool_problems
-        return make(cfg.data.num_generated, seed=cfg.seed if split == cfg.data.split else cfg.seed + 1)
+        return make(cfg.data.num_generated, seed=seed)
+    if cfg.data.name == "generated-key-chain":
+        from grpo.tasks.key_chain import make_key_chain_problems
+
+        return make_key_chain_problems(cfg.data.num_generated, hops=cfg.data.key_chain_hops, seed=seed)
     from datasets import load_dataset
 
     local = Path(cfg.data.name)
