@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +71,18 @@ class ModelSettings:
 class DataSettings:
     name: str = setting(
         "openai/gsm8k",
-        "hub id or local path, or 'generated' for the embedded GSM8K-style problems",
+        "hub id or local path, or 'generated' for the embedded GSM8K-style problems ('generated-tools': the tool "
+        "task's products, 'generated-key-chain': grpo/tasks/key_chain.py's chains)",
         range="a hub id, a local path or 'generated'",
     )
     config_name: str | None = setting("main", "the dataset's config name", range="a dataset config name or null")
     split: str = setting("train", "the training split", range="a split name")
     num_generated: int = setting(4096, "problems made when name == 'generated'", range=">= 1")
+    key_chain_hops: int = setting(
+        8,
+        "name == 'generated-key-chain': lookups per problem (grpo/tasks/key_chain.py; k hops are k + 1 model turns)",
+        range="in [2, 100]",
+    )
     prompt_template: str = setting(
         "{question}",
         "the prompt, formatted from the row's columns",
@@ -245,6 +252,30 @@ class ToolCallingSettings:
         "hand parser); or a vLLM tool parser by name",
         choices=("auto", "trl", "regex", *VLLM_TOOL_PARSERS),
     )
+    # -- the budget's end: what happens when an episode reaches max_completion_length or max_model_len ------------
+    min_turn_tokens: int = setting(
+        1,
+        "a later turn is sent only with at least this many tokens left to sample (of max_completion_length and of "
+        "max_model_len after the history it sends); with fewer the episode ends there, truncated",
+        range=">= 1",
+    )
+    truncated_turn: str = setting(
+        "run_calls",
+        "a model turn cut by max_tokens (no end-of-turn token): run_calls runs its finished calls and counts them "
+        "(TRL's rule; their results are dropped when they do not fit), end_episode ends the episode there: none of "
+        "its calls runs. Either way no token is sampled after it",
+        choices=("run_calls", "end_episode"),
+    )
+    overflow_reward: float | None = setting(
+        None,
+        "the reward of a truncated episode (the budget ended it: a turn cut by max_tokens, a tool result with no "
+        "room, no room left for a turn); null: what the reward functions give it",
+    )
+    baseline_excludes_truncated: bool = setting(
+        False,
+        "a group's mean and std reward leave its truncated episodes out (as TRL leaves out an unscorable "
+        "completion: NaN, then nanmean and nanstd); their advantage is 0",
+    )
 
 
 @dataclass
@@ -321,7 +352,11 @@ class RecipeConfig:
     scale_rewards: str = setting(
         "group", "divide advantages by the group's (or batch's) reward std", choices=("group", "batch", "none")
     )
-    mask_truncated_completions: bool = setting(False, "completions cut by max_completion_length get no loss")
+    mask_truncated_completions: bool = setting(
+        False,
+        "truncated completions get no loss (DAPO's overlong filtering): those cut by max_completion_length, and tool "
+        "episodes the budget ended (docs/tools.md)",
+    )
     save_steps: int = setting(
         50, "checkpoint when global_step passes a multiple of this (and at the end)", range=">= 1"
     )
@@ -365,6 +400,12 @@ class RecipeConfig:
     vllm: VLLMSettings = section(VLLMSettings, "the rollout engine: colocated, or a separate server")
     padding: PaddingSettings = section(PaddingSettings, "the packed log-probs")
     tool_calling: ToolCallingSettings = section(ToolCallingSettings, "how tools run (with `tools`)")
+
+    @property
+    def max_model_len(self) -> int:
+        """The context every rollout request fits in: a colocated engine's max_model_len, the least a server's may
+        be (`ServerEngine.check_settings`)."""
+        return self.data.max_prompt_length + self.max_completion_length
 
     @property
     def prompts_per_rank(self) -> int:
@@ -416,6 +457,16 @@ class RecipeConfig:
             self.check_tools()
         elif self.tool_calling.retokenize:
             raise ConfigError("tool_calling.retokenize=True compares multi-turn tool episodes: set tools as well")
+        elif self.tool_calling.overflow_reward is not None:
+            raise ConfigError(
+                f"tool_calling.overflow_reward={self.tool_calling.overflow_reward} rewards truncated tool episodes: "
+                "set tools as well"
+            )
+        elif self.tool_calling.baseline_excludes_truncated:
+            raise ConfigError(
+                "tool_calling.baseline_excludes_truncated=True leaves truncated tool episodes out of the baseline: "
+                "set tools as well"
+            )
         if not self.lora.merge:
             limit = self.vllm.max_lora_rank or self.lora.r
             if self.lora.r > limit or self.lora.r > VLLM_LORA_RANKS[-1]:
@@ -455,7 +506,10 @@ class RecipeConfig:
             )
 
     def check_tools(self) -> None:
-        """Tools are described to the model by the chat template."""
+        """Tools are described to the model by the chat template; a truncated episode's reward is a number."""
+        reward = self.tool_calling.overflow_reward
+        if reward is not None and not math.isfinite(reward):
+            raise ConfigError(f"tool_calling.overflow_reward={reward} must be a finite number or null")
         if not self.data.use_chat_template:
             raise ConfigError(
                 f"tools={self.tools} needs data.use_chat_template=true: the chat template describes the tools to the "

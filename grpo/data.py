@@ -63,12 +63,17 @@ def check_reward_columns(cfg: RecipeConfig, reward_funcs: list, problems: list[d
 def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
     """The rows of data.split (or ``split``) as dicts: the generated problems, a local file/folder, or a hub dataset."""
     split = split or cfg.data.split
+    seed = cfg.seed if split == cfg.data.split else cfg.seed + 1
     if cfg.data.name in ("generated", "generated-tools"):
         from grpo.tasks.tiny_gsm8k import make_problems
         from grpo.tasks.tiny_tools import make_tool_problems
 
         make = make_problems if cfg.data.name == "generated" else make_tool_problems
-        return make(cfg.data.num_generated, seed=cfg.seed if split == cfg.data.split else cfg.seed + 1)
+        return make(cfg.data.num_generated, seed=seed)
+    if cfg.data.name == "generated-key-chain":
+        from grpo.tasks.key_chain import make_key_chain_problems
+
+        return make_key_chain_problems(cfg.data.num_generated, hops=cfg.data.key_chain_hops, seed=seed)
     from datasets import load_dataset
 
     local = Path(cfg.data.name)
@@ -165,14 +170,33 @@ def score(reward_funcs: dict, rows: list[dict], samples) -> tuple[torch.Tensor, 
     return torch.tensor(table, dtype=torch.float32).nansum(dim=0), returned
 
 
-def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
-    """GRPO advantages: reward minus its group's mean, divided by the group (or batch) std unless scale='none'."""
-    grouped = rewards.view(-1, group)
-    centered = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+def group_advantages(
+    rewards: torch.Tensor, group: int, scale: str, excluded: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by the group (or batch) std unless scale='none'.
+
+    ``excluded`` [N] (bool): completions left out of the mean and the std (`baseline_excludes_truncated`), as TRL
+    1.16 leaves out an unscorable one (NaN, then ``nanmean``/``nanstd``); their advantage is 0. A group with fewer
+    than two others has std 0 (its one kept completion's advantage is 0 either way)."""
+    if excluded is None or not bool(excluded.any()):
+        grouped = rewards.view(-1, group)
+        centered = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+        if scale == "group":
+            return centered / (grouped.std(dim=1).repeat_interleave(group) + 1e-4)
+        if scale == "batch":
+            return centered / (rewards.std() + 1e-4)
+        return centered
+    kept = (~excluded).to(rewards.dtype)
+    grouped, weights = (rewards * kept).view(-1, group), kept.view(-1, group)
+    count = weights.sum(dim=1, keepdim=True)
+    mean = grouped.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = ((rewards.view(-1, group) - mean) * weights).flatten()
     if scale == "group":
-        return centered / (grouped.std(dim=1).repeat_interleave(group) + 1e-4)
+        variance = (((rewards.view(-1, group) - mean) * weights) ** 2).sum(dim=1) / (count.squeeze(1) - 1).clamp(min=1)
+        return centered / (variance.sqrt().repeat_interleave(group) + 1e-4)
     if scale == "batch":
-        return centered / (rewards.std() + 1e-4)
+        others = rewards[~excluded]
+        return centered / ((others.std() if others.numel() > 1 else torch.zeros(())) + 1e-4)
     return centered
 
 

@@ -76,7 +76,8 @@ def fidelity_totals(batch: dict) -> dict:
 
 
 def per_turn_statistics(batch: dict, mask: torch.Tensor) -> dict:
-    """|vLLM - trainer| and the trainer-over-vLLM probability ratio on the model tokens of turn 1, 2 and 3+."""
+    """|vLLM - trainer| and the trainer-over-vLLM probability ratio on the model tokens of each turn bucket (turn 1,
+    2, 3-4, 5-8, 9-16, 17+: `grpo.episodes.metrics.TURN_GROUPS`)."""
     from grpo.episodes.metrics import turn_masks
 
     gap = batch["vllm_logprobs"] - batch.get("fidelity_logprobs", batch["old_logprobs"])
@@ -109,7 +110,9 @@ def tool_metrics(total: dict) -> dict:
         "tools/turns_per_episode": total["tool_turns"] / episodes,
         "retokenization_drift": total["tool_drifted"] / episodes,
     }
-    for name in ("turn1", "turn2", "turn3plus"):
+    from grpo.episodes.metrics import TURN_GROUPS
+
+    for name in TURN_GROUPS:
         count = total.get(f"logprob_diff_{name}_count", 0.0)
         if count:
             metrics.update(

@@ -136,9 +136,14 @@ def rollout(run: Run, rollout_step: int):
 
 def rewards_and_advantages(run: Run, rows, samples, rollout_step: int):
     """3. Score the completions (a NaN/inf reward stops the run) -> (rewards [N], advantages [N])."""
+    cfg = run.cfg
     rewards, returned = score(run.reward_funcs, rows, samples)
     stop_if_nonfinite(f"rollout step {rollout_step}, rewards", returned, run.last_checkpoint)
-    return rewards, group_advantages(rewards, run.cfg.num_generations, run.cfg.scale_rewards)
+    truncated = torch.tensor([s.truncated for s in samples])
+    if cfg.tool_calling.overflow_reward is not None:  # the episodes the budget ended (set only with tools)
+        rewards[truncated] = cfg.tool_calling.overflow_reward
+    excluded = truncated if cfg.tool_calling.baseline_excludes_truncated else None
+    return rewards, group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, excluded)
 
 
 def training_batch(run: Run, samples, advantages: torch.Tensor) -> dict:

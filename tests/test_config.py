@@ -195,6 +195,11 @@ BAD_VALUES = {
     "tool_calling.schedule": "per_batch",
     "tool_calling.max_concurrent": "0",
     "tool_calling.parser": "hermes2",
+    "data.key_chain_hops": "101",
+    "tool_calling.min_turn_tokens": "0",
+    "tool_calling.truncated_turn": "continue",
+    "tool_calling.overflow_reward": "low",
+    "tool_calling.baseline_excludes_truncated": "maybe",
 }
 
 

@@ -43,8 +43,30 @@ def test_fidelity_totals_hold_each_turn_groups_sum_count_and_largest_token():
     assert totals["logprob_diff_count"] == 18
     assert totals["logprob_diff_turn1_count"] == 10 and totals["logprob_diff_turn2_count"] == 6
     assert totals["logprob_diff_turn2_sum"] == pytest.approx(6 * (0.5 + KERNEL_NOISE), rel=1e-5)
-    assert totals["logprob_diff_turn3plus_count"] == 2
-    assert totals["logprob_diff_turn3plus_max"] == pytest.approx(0.25 + KERNEL_NOISE, rel=1e-5)
+    assert totals["logprob_diff_turns3to4_count"] == 2
+    assert totals["logprob_diff_turns3to4_max"] == pytest.approx(0.25 + KERNEL_NOISE, rel=1e-5)
+
+
+def test_each_turn_bucket_holds_its_turns_and_the_metrics_name_each_one():
+    """One episode of 20 turns (turn k: k tokens off by k/100, a tool token between turns): turn 1 and turn 2 keep
+    their names, turns 3-4, 5-8, 9-16 and 17+ each their own, every model token in exactly one."""
+    from grpo.metrics import per_turn_statistics, tool_metrics
+
+    turns = torch.tensor([[k for k in range(1, 21) for _ in range(k)] + [0]])
+    trainer = torch.full(turns.shape, -1.0)
+    engine = trainer + turns / 100
+    batch = dict(turn_of_token=turns, response_mask=(turns > 0).float(), vllm_logprobs=engine, old_logprobs=trainer)
+    totals = fidelity_totals(batch)
+    buckets = {"turn1": [1], "turn2": [2], "turns3to4": [3, 4], "turns5to8": range(5, 9)}
+    buckets |= {"turns9to16": range(9, 17), "turns17plus": range(17, 21)}
+    for name, members in buckets.items():
+        assert totals[f"logprob_diff_{name}_count"] == sum(members), name
+        assert totals[f"logprob_diff_{name}_max"] == pytest.approx(max(members) / 100, rel=1e-5), name
+    assert sum(totals[f"logprob_diff_{name}_count"] for name in buckets) == totals["logprob_diff_count"] == 210
+    statistics = per_turn_statistics(batch, batch["response_mask"].bool())
+    metrics = tool_metrics(dict(statistics, tool_episodes=1.0, tool_calls=19.0, tool_failures=0.0, tool_turns=20.0,
+                                tool_episodes_calling=1.0, tool_episodes_succeeding=1.0, tool_drifted=0.0))  # fmt: skip
+    assert metrics["model_tokens_turns17plus"] == 17 + 18 + 19 + 20 and metrics["model_tokens_turn2"] == 2
 
 
 def test_a_sparse_turn_group_with_one_outlying_token_does_not_stop_a_healthy_run():
@@ -54,10 +76,10 @@ def test_a_sparse_turn_group_with_one_outlying_token_does_not_stop_a_healthy_run
     guard = LogprobGuard(tools_cfg("bfloat16"))
     guard.check(1, fidelity_totals(tool_batch()))  # calibrates: the baseline is the kernel noise
     outlier = fidelity_totals(tool_batch(outlier=0.164))
-    mean = outlier["logprob_diff_turn3plus_sum"] / outlier["logprob_diff_turn3plus_count"]
+    mean = outlier["logprob_diff_turns3to4_sum"] / outlier["logprob_diff_turns3to4_count"]
     assert mean > guard.limit  # judged by its mean alone, this healthy step would stop the run
     guard.check(2, outlier)
-    with pytest.raises(RuntimeError, match=r"rollout step 3: rollout_logprob_diff_turn3plus .*exceeds"):
+    with pytest.raises(RuntimeError, match=r"rollout step 3: rollout_logprob_diff_turns3to4 .*exceeds"):
         guard.check(3, fidelity_totals(tool_batch({3: 0.164})))
 
 

@@ -418,6 +418,7 @@ class FakeServer:
             "cache_config": {"enable_prefix_caching": False},
         }
         self.posts: list[str] = []  # every POST's path and query, in order
+        self.routed: dict[tuple, str | None] = {}  # each generation's token ids: its X-data-parallel-rank header
         # with prefix caching on: whether the cache keys blocks by cache_salt ("salted") or not ("unsalted"), and
         # whether a reply reports its cached tokens
         self.cache_keys, self.reports_cached_tokens, self.cached = "salted", True, set()
@@ -467,6 +468,7 @@ class FakeServer:
                     if "token_ids" not in body:
                         self.reply(422, {})
                         return
+                    fake.routed[tuple(body["token_ids"])] = self.headers.get("X-data-parallel-rank")
                     while fake.paused.is_set() and not fake.released.wait(0.05):
                         pass  # queued until /resume, as vLLM's engine holds a request that arrives while paused
                     fake.generating.release()
@@ -722,6 +724,38 @@ def test_a_data_parallel_server_generating_during_a_sync_is_paused_for_the_whole
             "finish": ["/start_weight_update", "/update_weights", pause, "/finish_weight_update", "/resume"],
         }
         assert calls == expected[paused], calls
+    finally:
+        fake.stop()
+
+
+@pytest.mark.parametrize(
+    "parallel, engines",
+    [
+        ({"data_parallel_size": 4}, 4),
+        ({"data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_hybrid_lb": True}, 2),
+        ({"data_parallel_size": 1}, 1),
+    ],
+    ids=["dp4", "dp4-hybrid-lb", "dp1"],
+)
+def test_on_a_data_parallel_server_each_route_goes_to_one_engine(tokenizer_dir, parallel, engines):
+    """Six routed requests from trainer rank 1 (routes 0..5, as an episode's prompt index) carry vLLM's
+    ``X-data-parallel-rank`` header, (route + 1) mod the engines the front end routes to (data_parallel_size, or
+    data_parallel_size_local behind a hybrid load balancer: vLLM refuses a rank outside that range); requests
+    without a route carry none, so vLLM balances them. The control, one engine: no header at all."""
+    from vllm import SamplingParams
+
+    from grpo.engines.server import ServerEngine
+
+    fake = FakeServer(backend=True)
+    fake.server_info["parallel_config"] = parallel
+    try:
+        engine = ServerEngine(fake.url, tokenizer_dir, rank=1)
+        engine.version = "7"
+        sampling = SamplingParams(max_tokens=2, logprobs=0)
+        engine.receive(engine.send([[1, 2, k] for k in range(6)], sampling, routes=list(range(6))))
+        engine.receive(engine.send([[3, 4]], sampling))
+        want = {(1, 2, k): str((k + 1) % engines) if engines > 1 else None for k in range(6)}
+        assert fake.routed == {**want, (3, 4): None}
     finally:
         fake.stop()
 

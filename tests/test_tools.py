@@ -43,13 +43,20 @@ class ScriptedEngine:
     """Answers turn k of every episode with ``turns[k]`` (ids, or a text tokenized canonically, then the eos), cut
     at the request's max_tokens; each sampled token's log-prob is -0.5. Records every request."""
 
-    def __init__(self, tokenizer, turns):
+    def __init__(self, tokenizer, turns, max_model_len=None):
         self.tokenizer, self.turns, self.requests = tokenizer, turns, []
         self.response_open = tokenizer.convert_tokens_to_ids("<tool_response>")
+        self.max_model_len = max_model_len  # a request past it is refused, as vLLM's server answers it (HTTP 400)
 
     def generate(self, prompt_ids, sampling, use_tqdm=False):
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
         self.requests.append([(list(ids), s.n, s.max_tokens) for ids, s in zip(prompt_ids, per_prompt)])
+        for ids, params in zip(prompt_ids, per_prompt):
+            if self.max_model_len is not None and len(ids) + params.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"max_tokens={params.max_tokens} with {len(ids)} prompt tokens exceeds max_model_len "
+                    f"{self.max_model_len}"
+                )
         samples = []
         for index, (ids, params) in enumerate(zip(prompt_ids, per_prompt)):
             turn = self.turns[min(ids.count(self.response_open), len(self.turns) - 1)]
@@ -63,13 +70,16 @@ class ScriptedEngine:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def tool_engine(tokenizer, turns, tools=(calculator,), **settings):
+def tool_engine(tokenizer, turns, tools=(calculator,), engine_max_model_len=None, **settings):
+    """A `ToolEngine` on a `ScriptedEngine` (refusing requests past ``engine_max_model_len``); ``settings``: the
+    config's (``max_model_len`` as `RecipeConfig.max_model_len` gives it, absent by default)."""
     cfg = SimpleNamespace(
         tool_calling=ToolCallingSettings(**settings.pop("tool_calling", {})),
         max_tool_calling_iterations=settings.pop("max_tool_calling_iterations", None),
         max_completion_length=settings.pop("max_completion_length", 64),
+        **settings,
     )
-    return ToolEngine(ScriptedEngine(tokenizer, turns), tokenizer, list(tools), cfg)
+    return ToolEngine(ScriptedEngine(tokenizer, turns, engine_max_model_len), tokenizer, list(tools), cfg)
 
 
 def prompt_ids(tokenizer, question="Ava buys 37 boxes of 48 pens. How many pens?"):
@@ -301,14 +311,15 @@ def wait_then_echo(key: str) -> str:
 class SendingEngine(ScriptedEngine):
     """A scripted server engine (`send` / `receive`): the first turn of a prompt asking for "slow" calls
     `wait_then_echo("slow")`, of any other `wait_then_echo("fast")`; every later turn answers. Records when each
-    request was sent, its ids and its seed."""
+    request was sent, its ids and its seed, and its route (`routes`, in order)."""
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer, [])
-        self.sent = []
+        self.sent, self.routes = [], []
 
-    def send(self, prompt_ids, sampling, seeds=None):
+    def send(self, prompt_ids, sampling, seeds=None, routes=None):
         self.sent.append([(time.monotonic(), list(ids), seed) for ids, seed in zip(prompt_ids, seeds)])
+        self.routes += [(list(ids), route) for ids, route in zip(prompt_ids, routes)]
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
         samples = []
         for index, (ids, params) in enumerate(zip(prompt_ids, per_prompt)):
@@ -355,6 +366,9 @@ def test_on_a_server_each_episode_sends_its_next_turn_when_its_own_tools_return(
     first = torch.randint(0, 2**31 - 1, (2,)).tolist()
     assert [seed for _, _, seed in sent[:2]] == first
     assert sorted(seed for _, _, seed in later) == sorted(turn_seed(first[e // 2], e, 2) for e in range(4))
+    # every turn of an episode is routed by its prompt (one engine of a data-parallel server holds its prefix)
+    assert all(route == (0 if ids[: len(prompts[0])] == prompts[0] else 1) for ids, route in engine.engine.routes)
+    assert len(engine.engine.routes) == 2 + 4
 
 
 class VersionedEngine(SendingEngine):
@@ -365,9 +379,9 @@ class VersionedEngine(SendingEngine):
         super().__init__(tokenizer)
         self.version = 1
 
-    def send(self, prompt_ids, sampling, seeds=None):
+    def send(self, prompt_ids, sampling, seeds=None, routes=None):
         version = self.version  # on arrival (before it is recorded as sent)
-        samples = super().send(prompt_ids, sampling, seeds)
+        samples = super().send(prompt_ids, sampling, seeds, routes)
         for sample in samples:
             sample.versions = [version] * len(sample.completion_ids)
         now = time.time()

@@ -29,8 +29,7 @@ def prepare_engine(cfg: RecipeConfig, *, rank: int, world: int, device_type: str
             )
         url, model, merge = cfg.vllm.server_url, cfg.model.name_or_path, cfg.lora.merge
         check_server(url, model, merge=merge)
-        max_model_len = cfg.data.max_prompt_length + cfg.max_completion_length
-        check_server_settings(url, model, dtype=cfg.model.dtype, max_model_len=max_model_len, merge=merge)
+        check_server_settings(url, model, dtype=cfg.model.dtype, max_model_len=cfg.max_model_len, merge=merge)
         return functools.partial(ServerEngine.from_config, cfg, rank=rank, world=world, device_type=device_type)
     llm_kwargs = recipe_llm_kwargs(cfg, rank=rank, world=world, device_type=device_type)  # built once, checked now
     return functools.partial(ColocatedEngine.from_config, cfg, llm_kwargs)

@@ -82,7 +82,7 @@ def recipe_engine_args(cfg, *, rank: int, world: int, device_type: str) -> dict:
     return dict(
         dtype=cfg.model.dtype,
         seed=cfg.seed + rank,
-        max_model_len=cfg.data.max_prompt_length + cfg.max_completion_length,
+        max_model_len=cfg.max_model_len,
         kv_cache_gb=cfg.vllm.kv_cache_gb,
         enforce_eager=cfg.vllm.enforce_eager,
         max_num_seqs=cfg.vllm_max_num_seqs(world),

@@ -248,6 +248,7 @@ class ServerEngine:
         self.closed = False  # after close() no request is sent
         self._request_numbers = itertools.count()  # its next() is atomic: episodes send from their own threads
         self._salt = f"grpo-{secrets.token_hex(8)}-{rank}"  # `cache_salt`
+        self._routing_ranks: int | None = None  # the engines a request may be routed to (`routing_ranks`)
 
     @classmethod
     def from_config(cls, cfg, *, rank: int, world: int, device_type: str) -> ServerEngine:
@@ -428,6 +429,20 @@ class ServerEngine:
         config = self._request("GET", "/server_info", params={"config_format": "json"}).get("vllm_config") or {}
         return int((config.get("parallel_config") or {}).get("data_parallel_size") or 1)
 
+    def routing_ranks(self) -> int:
+        """How many engines of a data-parallel server a request can be sent to by ``X-data-parallel-rank``
+        (vLLM 0.32's `InputProcessor` accepts ranks in [0, this)): its data_parallel_size, or with an external or
+        hybrid load balancer the engines behind this front end (data_parallel_size_local). Asked once."""
+        if self._routing_ranks is None:
+            config = self._request("GET", "/server_info", params={"config_format": "json"}).get("vllm_config") or {}
+            parallel = config.get("parallel_config") or {}
+            local = parallel.get("data_parallel_external_lb") or parallel.get("data_parallel_hybrid_lb")
+            ranks = parallel.get("data_parallel_size_local" if local else "data_parallel_size") or 1
+            if not isinstance(ranks, int) or ranks < 1:
+                raise ServerError(f"the vLLM server at {self.url} reports {ranks!r} data-parallel engines")
+            self._routing_ranks = ranks
+        return self._routing_ranks
+
     def _sync_adapter(self, model, adapter_dir, version: int) -> dict[str, float]:
         save_adapter(model, adapter_dir, self.rank)
         name, previous = f"policy-{version}", self.lora_name
@@ -458,9 +473,16 @@ class ServerEngine:
         a completion sampled by another weight version than the syncs pushed stops the run, naming both."""
         return self.receive(self.send(prompt_ids, sampling))
 
-    def send(self, prompt_ids: list[list[int]], sampling, seeds: list[int] | None = None) -> PendingGeneration:
+    def send(
+        self, prompt_ids: list[list[int]], sampling, seeds: list[int] | None = None, routes: list[int] | None = None
+    ) -> PendingGeneration:
         """Send one request per prompt, now (daemon threads; safe from several threads); `receive` collects them.
-        Seeds: ``seeds`` (grpo/episodes/'s episodes), or drawn here from the process's RNG as checkpoints save it."""
+        Seeds: ``seeds`` (grpo/episodes/'s episodes), or drawn here from the process's RNG as checkpoints save it.
+
+        Routes: a key per request (grpo/episodes/: the prompt index of its episode). On a data-parallel server,
+        requests with the same key go to the same engine (``X-data-parallel-rank``: the key plus this trainer rank,
+        modulo the engines), so every turn of an episode finds its prefix in that engine's cache; without keys, or
+        on one engine, vLLM balances the load."""
         if self.closed:  # an episode's later turn after close() is never sent
             raise EngineStateError("the engine is closed: no request is sent")
         if self.version is None:
@@ -471,8 +493,13 @@ class ServerEngine:
         request_ids = [f"grpo-{os.getpid()}-{self.rank}-{next(self._request_numbers)}" for _ in prompt_ids]
         self.in_flight.update(request_ids)
         salt = self.cache_salt()
+        ranks = self.routing_ranks() if routes is not None else 1
+        headers = [
+            {"X-data-parallel-rank": str((route + self.rank) % ranks)} if ranks > 1 else None
+            for route in (routes if routes is not None else [0] * len(prompt_ids))
+        ]
 
-        def one(ids, params, seed, request_id):
+        def one(ids, params, seed, request_id, header):
             if request_id not in self.in_flight:  # aborted while it waited for a thread: never sent
                 raise EngineStateError(f"request {request_id} was aborted before it was sent")
             sent = time.time()
@@ -486,13 +513,14 @@ class ServerEngine:
                         sampling_params=_sampling_json(params, seed),
                         cache_salt=salt,
                     ),
+                    headers=header,
                 )
             finally:
                 self.in_flight.discard(request_id)
             return response, sent, time.time()
 
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompt_ids)
-        calls = [functools.partial(one, *args) for args in zip(prompt_ids, per_prompt, seeds, request_ids)]
+        calls = [functools.partial(one, *args) for args in zip(prompt_ids, per_prompt, seeds, request_ids, headers)]
         futures = [self.requests.submit(call) for call in calls]
         return PendingGeneration(prompt_ids, futures, int(self.version))
 

@@ -102,6 +102,10 @@ class ToolEngine:
         self.caller = ToolCaller({t.__name__: t for t in tools}, settings.timeout_s, settings.max_output_chars)
         self.max_iterations = cfg.max_tool_calling_iterations
         self.max_completion_length = cfg.max_completion_length
+        # the engine's context (`RecipeConfig.max_model_len`): no request asks for more than it holds
+        self.max_model_len = getattr(cfg, "max_model_len", None)
+        self.min_turn_tokens = settings.min_turn_tokens
+        self.end_truncated_turn = settings.truncated_turn == "end_episode"
         self.retokenize = settings.retokenize
         # a server takes requests one at a time (`send`); the colocated engine's offline call takes a whole batch
         self.sends = hasattr(engine, "send")
@@ -145,10 +149,15 @@ class ToolEngine:
         """The episodes `send` started, once every one has ended; a turn's failure (the server gone) is raised."""
         return [self._sample(e) for e in pending.episodes.result()]
 
-    def _generate(self, histories, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list) -> list[Sample]:
+    def _generate(
+        self, histories, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list, routes: list[int]
+    ) -> list[Sample]:
+        """One turn of the histories. On a server each request carries its seed and its episode's prompt index as
+        its route: all episodes of a prompt start in one request, so each of their turns goes to that engine of a
+        data-parallel server, where its prefix is cached."""
         if seeds is None:
             return self.engine.generate(histories, sampling, use_tqdm=use_tqdm)
-        pending = self.engine.send(histories, sampling, seeds=seeds)
+        pending = self.engine.send(histories, sampling, seeds=seeds, routes=routes)
         turns.append(pending)  # the rollout's requests so far (other episodes' threads append theirs too)
         return self.engine.receive(pending)
 
@@ -157,7 +166,8 @@ class ToolEngine:
     ) -> list[Episode]:
         """Each turn waits for every episode of the rollout, then goes out as one batch."""
         episodes, continuing = [], []
-        for sample in self._generate(prompt_ids, sampling, seeds, use_tqdm, turns):
+        first = self._first_turns(prompt_ids, sampling)
+        for sample in self._generate(prompt_ids, first, seeds, use_tqdm, turns, list(range(len(prompt_ids)))):
             episodes.append(Episode(sample.prompt_ids, sample.prompt_index, number=len(episodes)))
             if self._after_turn(episodes[-1], sample):
                 continuing.append(episodes[-1])
@@ -166,13 +176,13 @@ class ToolEngine:
             continuing = [e for e in continuing if self._append_tool_results(e)]
             if not continuing:
                 break
-            budgets = [self.max_completion_length - len(e.completion_ids) for e in continuing]
-            per_episode = [one_sample(sampling, budget) for budget in budgets]
+            per_episode = [one_sample(sampling, self._room(e)) for e in continuing]
             histories = [e.prompt_ids + e.completion_ids for e in continuing]
             later = (
                 None if seeds is None else [turn_seed(seeds[e.prompt_index], e.number, rounds + 1) for e in continuing]
             )
-            samples = self._generate(histories, per_episode, later, False, turns)
+            routes = [e.prompt_index for e in continuing]
+            samples = self._generate(histories, per_episode, later, False, turns, routes)
             continuing = [e for e, s in zip(continuing, samples) if self._after_turn(e, s)]
             rounds += 1
         return episodes
@@ -180,7 +190,11 @@ class ToolEngine:
     def _independently(self, prompt_ids, sampling, seeds: list[int], use_tqdm: bool, turns: list) -> list[Episode]:
         """Each episode on a thread of its own: its next turn is sent as soon as its own tools return, whatever the
         other episodes are doing (the tools of at most `tool_calling.max_concurrent` episodes run at once)."""
-        first_turns = [self.engine.send([ids], sampling, seeds=[seed]) for ids, seed in zip(prompt_ids, seeds)]
+        first = self._first_turns(prompt_ids, sampling)
+        first_turns = [
+            self.engine.send([ids], first if not isinstance(first, list) else [first[i]], seeds=[seed], routes=[i])
+            for i, (ids, seed) in enumerate(zip(prompt_ids, seeds))
+        ]
         turns += first_turns
         episodes: list[Episode | None] = [None] * (len(prompt_ids) * sampling.n)
 
@@ -197,14 +211,40 @@ class ToolEngine:
             while going and (self.max_iterations is None or rounds <= self.max_iterations):
                 if not self._append_tool_results(one):
                     break
-                turn = one_sample(sampling, self.max_completion_length - len(one.completion_ids))
+                turn = one_sample(sampling, self._room(one))
                 history = one.prompt_ids + one.completion_ids
-                (sample,) = self._generate([history], turn, [turn_seed(seeds[index], number, rounds + 1)], False, turns)
+                seed = turn_seed(seeds[index], number, rounds + 1)
+                (sample,) = self._generate([history], turn, [seed], False, turns, [index])
                 going, rounds = self._after_turn(one, sample), rounds + 1
 
         for future in start_in_daemon_threads([partial(prompt, i) for i in range(len(prompt_ids))], len(prompt_ids)):
             future.result()
         return episodes
+
+    def _first_turns(self, prompt_ids: list[list[int]], sampling):
+        """``sampling``, or one per prompt where a prompt leaves less than its max_tokens in max_model_len (its
+        max_tokens shrunk to what is left); a prompt that leaves no room for min_turn_tokens is refused."""
+        if self.max_model_len is None:
+            return sampling
+        rooms = [min(sampling.max_tokens, self.max_model_len - len(ids)) for ids in prompt_ids]
+        if all(room == sampling.max_tokens for room in rooms):
+            return sampling
+        for ids, room in zip(prompt_ids, rooms):
+            if room < self.min_turn_tokens:
+                raise ValueError(
+                    f"a prompt of {len(ids)} tokens leaves {room} of max_model_len={self.max_model_len} to sample, "
+                    f"fewer than tool_calling.min_turn_tokens={self.min_turn_tokens}"
+                )
+        return [one_sample(sampling, room, n=sampling.n) for room in rooms]
+
+    def _room(self, episode: Episode) -> int:
+        """Tokens the episode may still add: what is left of max_completion_length, and of max_model_len after the
+        history a request sends (its prompt and every token since)."""
+        used = len(episode.completion_ids)
+        room = self.max_completion_length - used
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - len(episode.prompt_ids) - used)
+        return room
 
     def _after_turn(self, episode: Episode, sample: Sample) -> bool:
         """Append a model turn; whether it called a tool and has room to go on."""
@@ -212,14 +252,17 @@ class ToolEngine:
         ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
         with self.tokenizing:
             calls = self.parser.calls(ids, episode.prompt_ids + episode.completion_ids)
-        if not ended:  # cut by the budget: its finished calls count and run (as TRL's), the one cut off is no call
+        if not ended:  # cut by max_tokens: the call cut off is no call; its finished ones run (TRL's) or not at all
             calls = [c for c in calls if isinstance(c, dict)]
         episode.add_turn(sample, calls, ended)
+        if not ended and self.end_truncated_turn:
+            return False
         return bool(calls)  # a turn that called a tool at the budget's end: its calls run and count, as TRL's
 
     def _append_tool_results(self, episode: Episode) -> bool:
-        """Run the last turn's calls and append their rendered results (tool tokens); False when the results would
-        pass max_completion_length (dropped, as TRL drops them) or leave no room for another turn."""
+        """Run the last turn's calls and append their rendered results (tool tokens); False, the episode truncated,
+        when the results would pass the budget (dropped, as TRL drops them) or leave less than min_turn_tokens for
+        another turn (`_room`)."""
         _, calls, _ = episode.turns[-1]
         with self.tool_slots:
             results = self.caller.run(calls)
@@ -229,10 +272,11 @@ class ToolEngine:
         episode.tool_calls += len(results)
         episode.tool_failures += sum(failed for _, _, failed in results)
         episode.tool_malformed += sum(isinstance(c, str) for c in calls)
-        if len(episode.completion_ids) + len(suffix) > self.max_completion_length:
+        if len(suffix) > self._room(episode):
+            episode.truncated = True  # the budget ended it (TRL marks only a last token that ends no turn)
             return False
         episode.add_tool_tokens(suffix)
-        if len(episode.completion_ids) == self.max_completion_length:
+        if self._room(episode) < self.min_turn_tokens:
             episode.truncated = True  # TRL: a last token that is no end-of-turn token marks a truncated episode
             return False
         return True
@@ -293,8 +337,9 @@ def turn_seed(first_turn_seed: int, episode: int, turn: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def one_sample(sampling, max_tokens: int):
-    """``sampling`` for a later turn: one completion, at most ``max_tokens`` (what is left of the budget)."""
+def one_sample(sampling, max_tokens: int, n: int = 1):
+    """``sampling`` for a later turn: one completion (or ``n``), at most ``max_tokens`` (what is left of the
+    budget)."""
     turn = sampling.clone()
-    turn.n, turn.max_tokens = 1, max_tokens
+    turn.n, turn.max_tokens = n, max_tokens
     return turn

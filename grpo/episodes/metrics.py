@@ -1,5 +1,5 @@
 """The per-turn and tool metrics of a rollout step's episodes: this rank's sums (`tool_stats`) and the token masks of
-turn 1, turn 2 and later turns (`turn_masks`), read by grpo.metrics and the recipe.
+the turn buckets 1, 2, 3-4, 5-8, 9-16 and 17+ (`turn_masks`), read by grpo.metrics and the recipe.
 """
 
 from __future__ import annotations
@@ -25,13 +25,21 @@ def tool_stats(samples: list[Sample]) -> dict[str, float]:
     )
 
 
-TURN_GROUPS = {"turn1": (1, 1), "turn2": (2, 2), "turn3plus": (3, None)}
+# the turn buckets of the per-turn metrics, (first turn, last turn or None); turn1 and turn2 named as before
+TURN_GROUPS = {
+    "turn1": (1, 1),
+    "turn2": (2, 2),
+    "turns3to4": (3, 4),
+    "turns5to8": (5, 8),
+    "turns9to16": (9, 16),
+    "turns17plus": (17, None),
+}
 
 
 def turn_masks(batch: dict, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``mask`` [N, R] restricted to the model tokens of turn 1, turn 2 and turns 3 and later."""
+    """``mask`` [N, R] restricted to the model tokens of each turn bucket (`TURN_GROUPS`)."""
     turn = batch["turn_of_token"]
     return {
-        name: mask & (turn >= low) & (turn <= (high if high is not None else turn.max().clamp(min=low)))
+        name: mask & (turn >= low) & (turn <= high if high is not None else True)
         for name, (low, high) in TURN_GROUPS.items()
     }
