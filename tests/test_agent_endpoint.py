@@ -254,3 +254,25 @@ def test_an_agent_that_cannot_be_used_is_refused_naming_it():
         load_config(None, ["agent=a:b", "tools=[grpo.tasks.tool_functions:calculator]"])
     with pytest.raises(ConfigError, match="needs data.use_chat_template=true"):
         load_config(None, ["agent=a:b", "data.use_chat_template=false"])
+
+
+def test_the_shipped_calculator_agent_gives_the_native_episode(tokenizer):
+    """recipes/agents/calculator_agent.py (plain openai client code) on the tool task: the same prompt ids as the
+    native task's (its calculator schema renders as the tool's own) and the native loop's episode."""
+    from recipes.agents.calculator_agent import calculate, solve
+
+    assert (calculate("37*48"), calculate("2**8")) == (
+        "1776",
+        json.dumps({"error": "calculator: '2**8': not an integer expression"}),
+    )
+    native = tool_engine(tokenizer, [CALL, "#### 1776"]).generate([prompt_ids(tokenizer)], Sampling())[0]
+    engine = agent_engine(tokenizer, ScriptedEngine(tokenizer, [CALL, "#### 1776"]), solve)
+    try:
+        (sample,) = engine.generate([prompt_ids(tokenizer)], Sampling())
+    finally:
+        engine.endpoint.close()
+    assert (sample.prompt_ids, sample.completion_ids, sample.tool_mask) == (
+        native.prompt_ids,
+        native.completion_ids,
+        native.tool_mask,
+    )
