@@ -50,11 +50,11 @@ def calculator_agent(client, row, rewrite=None):
     return None
 
 
-def agent_engine(tokenizer, engine, agent, questions=(QUESTION,), **settings):
+def agent_engine(tokenizer, engine, agent, questions=(QUESTION,), max_completion_length=64, **settings):
     cfg = SimpleNamespace(
         tool_calling=ToolCallingSettings(**settings),
         max_tool_calling_iterations=None,
-        max_completion_length=64,
+        max_completion_length=max_completion_length,
     )
     rows = [{"question": q, "prompt_ids": prompt_ids(tokenizer, q)} for q in questions]
     return AgentEngine(engine, tokenizer, agent, cfg, rows)
@@ -211,6 +211,26 @@ def test_a_sync_between_two_turns_labels_each_turn_with_the_version_that_sampled
     first = torch.randint(0, 2**31 - 1, (2,)).tolist()
     sent = sorted(seed for batch in engine.engine.sent for _, _, seed in batch)
     assert sent == sorted(turn_seed(first[e // 2], e, t) for e in range(4) for t in (1, 2))
+
+
+def test_a_tool_result_past_the_budget_ends_the_episode_as_the_native_loop_ends_it(tokenizer):
+    """Room for the call turn, not for its result: the native loop drops the result and ends the episode after turn
+    1; the endpoint refuses the agent's second request (400 context_length_exceeded) and the session's sample is the
+    same. The agent raising on that refusal is no agent error: the episode finished at its limit."""
+    turn1 = len(encode(tokenizer, CALL)) + 1
+    suffix = tool_engine(tokenizer, [CALL]).renderer.tool_suffix_ids([{"role": "tool", "name": "c", "content": "1776"}])
+    budget = turn1 + len(suffix) - 1
+    native = tool_engine(tokenizer, [CALL, "#### 1776"], max_completion_length=budget)
+    native = native.generate([prompt_ids(tokenizer)], Sampling(max_tokens=budget))[0]
+    engine = agent_engine(
+        tokenizer, ScriptedEngine(tokenizer, [CALL, "#### 1776"]), calculator_agent, max_completion_length=budget
+    )
+    try:
+        (sample,) = engine.generate([prompt_ids(tokenizer)], Sampling(max_tokens=budget))
+    finally:
+        engine.endpoint.close()
+    assert len(native.completion_ids) == turn1 and sample.completion_ids == native.completion_ids
+    assert len(engine.engine.requests) == 1 and (sample.agent_error, sample.reward) == (False, None)
 
 
 def test_an_agent_that_raises_or_hangs_ends_only_its_own_episode(tokenizer):

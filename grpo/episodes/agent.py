@@ -13,7 +13,9 @@ tool_mask 0 on the ids the endpoint rendered, the engine's log-prob and version 
 episode's reward; None leaves it to the reward functions, which score the sample's text. At most
 tool_calling.max_concurrent agents run at once. An agent that raises, returns something else or runs past
 tool_calling.agent_timeout_s ends only its own episode: its session is closed (its later requests get 409), the
-error is counted (`agent/error_frequency`) and the episode scores 0.0 whatever it sampled.
+error is counted (`agent/error_frequency`) and the episode scores 0.0 whatever it sampled. An episode the endpoint
+ended at max_completion_length or max_tool_calling_iterations is a finished one: the reward functions score it,
+whatever the agent does with the refusal.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ class AgentEngine(ToolEngine):
             else:
                 outcome = f"the agent returned {value!r:.80}, not a finite float or None"
         self.endpoint.end(session, outcome if isinstance(outcome, str) else "its agent returned")
+        if isinstance(outcome, str) and session.at_limit:  # its error answers the refusal at the episode's limit
+            log.info("agent episode %d ended at its limit; then %s", session.number, outcome)
+            outcome = None
         if isinstance(outcome, str):
             log.warning("agent episode %d (prompt %d): %s", session.number, session.prompt_index, outcome)
         return outcome

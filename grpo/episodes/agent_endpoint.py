@@ -68,6 +68,7 @@ class AgentSession:
     refusals: int = 0  # requests refused for a rewritten history
     engine_error: BaseException | None = None  # the engine failed a turn (the server gone): the rollout's failure
     ended: str | None = None  # why no more turns are served
+    at_limit: bool = False  # ended at max_completion_length or max_tool_calling_iterations: a finished episode
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -305,18 +306,18 @@ class AgentEndpoint:
         else:
             episode = session.episode
             if owner.max_iterations is not None and len(episode.turns) > owner.max_iterations:
-                self._end(session, f"max_tool_calling_iterations={owner.max_iterations} reached")
+                self._end(session, f"max_tool_calling_iterations={owner.max_iterations} reached", at_limit=True)
                 raise Refused(400, f"session {session.id!r}: {session.ended}", "turn_limit")
             with owner.tokenizing:
                 suffix = session.renderer.tool_suffix_ids([template_message(m, session.call_names) for m in new])
             episode.tool_calls += sum(m["role"] == "tool" for m in new)
             if len(episode.completion_ids) + len(suffix) > owner.max_completion_length:  # dropped, as TRL drops it
-                self._end(session, f"max_completion_length={owner.max_completion_length} reached")
+                self._end(session, f"max_completion_length={owner.max_completion_length} reached", at_limit=True)
                 raise Refused(400, f"session {session.id!r}: {session.ended}", "context_length_exceeded")
             episode.add_tool_tokens(suffix)
             if len(episode.completion_ids) == owner.max_completion_length:
                 episode.truncated = True
-                self._end(session, f"max_completion_length={owner.max_completion_length} reached")
+                self._end(session, f"max_completion_length={owner.max_completion_length} reached", at_limit=True)
                 raise Refused(400, f"session {session.id!r}: {session.ended}", "context_length_exceeded")
         episode = session.episode
         number = len(episode.turns) + 1
@@ -334,7 +335,8 @@ class AgentEndpoint:
         episode.tool_calls += malformed  # no result comes back for these: each counts as a failed call
         episode.tool_failures += malformed
         episode.tool_malformed += malformed
-        reply = owner.renderer.assistant_message(turn_ids, calls)
+        with owner.tokenizing:
+            reply = owner.renderer.assistant_message(turn_ids, calls)
         tool_calls = [
             {
                 "id": f"call_{session.id[:8]}_{number}_{k}",
@@ -360,5 +362,6 @@ class AgentEndpoint:
             },
         }
 
-    def _end(self, session: AgentSession, why: str) -> None:
+    def _end(self, session: AgentSession, why: str, at_limit: bool = False) -> None:
         session.ended = session.ended or why  # under session.lock (the caller holds it)
+        session.at_limit = session.at_limit or at_limit
