@@ -70,7 +70,8 @@ class AgentEngine(ToolEngine):
             self.rows.setdefault(tuple(row["prompt_ids"]), row)
         self.offline = threading.Lock() if not self.sends else None  # the colocated engine: one batch call at a time
         self.endpoint = AgentEndpoint(self)
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' clients: a line per request otherwise
+        for transport in ("httpx", "httpx2"):  # the agents' clients' (openai's is httpx2): a line per request otherwise
+            logging.getLogger(transport).setLevel(logging.WARNING)
 
     def close(self) -> None:
         self.endpoint.close()

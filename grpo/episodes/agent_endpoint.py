@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Session-Id"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+ENDED_REMEMBERED = 100_000  # ended sessions told apart from unknown ones (older ones are unknown: a 404)
 
 
 class Refused(Exception):
@@ -143,9 +145,8 @@ class AgentEndpoint:
         # owner: tokenizer, template_kwargs, max_completion_length, max_iterations, _after_turn, _generate_turn
         self.owner = owner
         self.sessions: dict[str, AgentSession] = {}
-        self.ended_ids: set[str] = set()
+        self.ended_ids: OrderedDict[str, None] = OrderedDict()  # the latest ENDED_REMEMBERED, for a 409 over a 404
         self.lock = threading.Lock()
-        self.refusals = 0
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -179,7 +180,9 @@ class AgentEndpoint:
             session.ended = session.ended or why
         with self.lock:
             self.sessions.pop(session.id, None)
-            self.ended_ids.add(session.id)
+            self.ended_ids[session.id] = None
+            if len(self.ended_ids) > ENDED_REMEMBERED:
+                self.ended_ids.popitem(last=False)
         return session
 
     # ------------------------------------------------------------------ HTTP
@@ -250,8 +253,6 @@ class AgentEndpoint:
                 what = f"messages[{differs}] is {got}, the session's history holds {want}"
             if differs is not None:
                 session.refusals += 1
-                with self.lock:
-                    self.refusals += 1
                 raise Refused(
                     400,
                     f"session {session.id!r}: the request's messages are not the session's history plus new messages: "
