@@ -235,7 +235,8 @@ class ToolCallingSettings:
     )
     max_concurrent: int = setting(
         16,
-        "episodes of one process whose tools may run at once (per_episode; a call's own tools run together)",
+        "episodes of one process whose tools may run at once (per_episode; a call's own tools run together); with "
+        "`agent`, agents of one process running at once",
         range=">= 1",
     )
     agent_timeout_s: float = setting(
