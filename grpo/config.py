@@ -242,8 +242,15 @@ class ToolCallingSettings:
     )
     max_concurrent: int = setting(
         16,
-        "episodes of one process whose tools may run at once (per_episode; a call's own tools run together)",
+        "episodes of one process whose tools may run at once (per_episode; a call's own tools run together); with "
+        "`agent`, agents of one process running at once",
         range=">= 1",
+    )
+    agent_timeout_s: float = setting(
+        300.0,
+        "seconds an agent (`agent`) may take for its whole episode; then its session is closed and the episode "
+        "scores 0.0 as a failed one",
+        range="> 0",
     )
     parser: str = setting(
         "auto",
@@ -388,6 +395,15 @@ class RecipeConfig:
         range="a non-empty list of 'module:function' or null",
         check=lambda v: all(":" in f for f in v),
     )
+    agent: str | None = setting(
+        None,
+        "an agent that owns its loop, as 'module:function' f(client, row) -> float | None: given an openai.OpenAI "
+        "client on the rollout's OpenAI-compatible endpoint (its session set) and the dataset row, it runs its own "
+        "loop and returns a reward (None: reward_funcs score the final text); each session is one episode, token in "
+        "/ token out (grpo/episodes/agent.py, docs/agents.md)",
+        range="'module:function' or null",
+        check=lambda v: ":" in v,
+    )
     max_tool_calling_iterations: int | None = setting(
         None,
         "tool-calling rounds per episode; null: until a turn calls no tool or max_completion_length is reached",
@@ -404,7 +420,7 @@ class RecipeConfig:
     @property
     def max_model_len(self) -> int:
         """The context every rollout request fits in: a colocated engine's max_model_len, the least a server's may
-        be (`ServerEngine.check_settings`)."""
+        be (`grpo.engines.server.check_server_settings`)."""
         return self.data.max_prompt_length + self.max_completion_length
 
     @property
@@ -453,6 +469,8 @@ class RecipeConfig:
             )
         if self.max_staleness > 0:
             self.check_asynchronous()
+        if self.agent:
+            self.check_agent()
         if self.tools:
             self.check_tools()
         elif self.tool_calling.retokenize:
@@ -503,6 +521,18 @@ class RecipeConfig:
             raise ConfigError(
                 f"{why} needs vllm_importance_sampling_correction=true: stale tokens are weighed by trainer-over-"
                 "vLLM probability (decoupled PPO); without it the update would treat them as on-policy"
+            )
+
+    def check_agent(self) -> None:
+        """An agent brings its own tools, and its messages are rendered by the chat template."""
+        if self.tools:
+            raise ConfigError(
+                f"agent={self.agent!r} and tools={self.tools} together: an agent runs its own tools (it sends their "
+                "schemas with its requests); set one of them"
+            )
+        if not self.data.use_chat_template:
+            raise ConfigError(
+                f"agent={self.agent!r} needs data.use_chat_template=true: the chat template renders its messages"
             )
 
     def check_tools(self) -> None:

@@ -154,7 +154,8 @@ def tokenize_prompts(
 
 
 def score(reward_funcs: dict, rows: list[dict], samples) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Call each reward function as TRL does; returns (summed rewards [N], {name: the non-None values})."""
+    """Call each reward function as TRL does; returns (summed rewards [N], {name: the non-None values}). A sample
+    carrying its own reward (an agent's, `Sample.reward`) gets that reward instead of the sum."""
     sample_rows = [rows[s.prompt_index] for s in samples]
     columns = {k: [row[k] for row in sample_rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
     table, returned = [], {}
@@ -167,7 +168,11 @@ def score(reward_funcs: dict, rows: list[dict], samples) -> tuple[torch.Tensor, 
         )
         table.append([math.nan if v is None else v for v in values])
         returned[f"reward from {name}"] = torch.tensor([v for v in values if v is not None], dtype=torch.float64)
-    return torch.tensor(table, dtype=torch.float32).nansum(dim=0), returned
+    rewards = torch.tensor(table, dtype=torch.float32).nansum(dim=0)
+    for i, sample in enumerate(samples):
+        if getattr(sample, "reward", None) is not None:  # an agent's own reward (grpo.episodes.agent) replaces them
+            rewards[i] = sample.reward
+    return rewards, returned
 
 
 def group_advantages(

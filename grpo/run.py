@@ -28,6 +28,7 @@ from grpo.engines.build import prepare_engine
 from grpo.engines.colocated import check_vllm_lora_targets
 from grpo.engines.interface import Engine
 from grpo.engines.rollout_queue import RolloutQueue
+from grpo.episodes.agent import AgentEngine, load_agent
 from grpo.episodes.loop import ToolEngine
 from grpo.episodes.parsers import resolve_parser
 from grpo.episodes.templates import use_prefix_preserving_template
@@ -332,6 +333,7 @@ def setup(cfg: RecipeConfig) -> Run:
     rank, world, device = init_distributed()
     check_paths(cfg, rank)
     tools = load_tools(cfg.tools)  # a tool that cannot be imported or described: refused before any work
+    agent = load_agent(cfg.agent)  # likewise an agent
     # refuses what the engine cannot do here (or a server that is not there), before any work
     start_engine = prepare_engine(cfg, rank=rank, world=world, device_type=device.type)
     named_dir = run_folder(cfg)
@@ -359,7 +361,9 @@ def setup(cfg: RecipeConfig) -> Run:
     check_reward_columns(cfg, list(reward_funcs.values()), problems)
     check_memory(cfg, model_config, world, device, fsdp)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
-    if tools:  # refused before the model loads: a template the tool loop cannot append to, a parser that cannot read it
+    if (
+        tools or agent
+    ):  # refused before the model loads: a template the loop cannot append to, a parser that cannot read it
         use_prefix_preserving_template(tokenizer, tools, cfg.data.chat_template_kwargs, cfg.model.name_or_path)
         resolve_parser(cfg.tool_calling.parser, tokenizer)  # after: it reads the template that is used
     problems = tokenize_prompts(cfg, tokenizer, problems, tools=tools)
@@ -372,6 +376,10 @@ def setup(cfg: RecipeConfig) -> Run:
     optimizer, scheduler = build_optimizer(cfg, model, total_updates=num_rollout_steps * updates_per_rollout)
     if tools:  # multi-turn episodes, every tool response rendered with the prompt's template arguments
         engine = ToolEngine(start_engine(), tokenizer, tools, cfg, cfg.data.chat_template_kwargs)
+    elif agent:  # an agent's sessions through the OpenAI endpoint, one episode each
+        engine = AgentEngine(
+            start_engine(), tokenizer, agent, cfg, problems + eval_problems, cfg.data.chat_template_kwargs
+        )
     else:
         engine = start_engine()
     if resume:  # after the engine: its start reseeds the RNG, whose saved state the sampling continues from

@@ -30,6 +30,10 @@ class Sample:
     tool_failures: int = 0
     tool_malformed: int = 0  # calls the parser could not read (each also counted in tool_failures)
     retokenization_drift: bool = False  # re-rendering and re-tokenizing the episode gives other ids than sampled
+    # an agent's session (grpo.episodes.agent): its own reward (None: the reward functions score the text)
+    reward: float | None = None
+    agent_error: bool = False  # the agent raised, hung or returned no reward: the episode scores 0.0
+    agent_refusals: int = 0  # its requests refused for a rewritten history
 
 
 class EngineStateError(RuntimeError):

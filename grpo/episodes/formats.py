@@ -28,10 +28,18 @@ class Renderer:
             **self.template_kwargs,
         )
 
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """A conversation's prompt as the recipe tokenizes it (`grpo.data.tokenize_prompts`): rendered with the
+        generation header and tokenized, each tool message's content as text (`encode_with_tool_text`)."""
+        contents = [m["content"] for m in messages if m["role"] == "tool"]
+        return encode_with_tool_text(self.tokenizer, self._render(messages, True), contents)
+
     def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
         """TRL's `_get_tool_suffix_ids`: the ids the template puts after an assistant turn's end-of-turn token for
-        these tool messages, through the next assistant header. Rendered alone and tokenized alone."""
-        call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
+        these tool messages (or a user message after them), through the next assistant header. Rendered alone and
+        tokenized alone."""
+        name = next((m["name"] for m in tool_messages if m.get("name")), "tool")
+        call = {"type": "function", "function": {"name": name, "arguments": {}}}
         head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         head_text = self._render(head, False)
         prefix = self.tokenizer(head_text, add_special_tokens=False).input_ids

@@ -22,6 +22,8 @@ def tool_stats(samples: list[Sample]) -> dict[str, float]:
         tool_episodes_calling=float(sum(s.tool_calls > 0 for s in samples)),
         tool_episodes_succeeding=float(sum(s.tool_calls > s.tool_failures for s in samples)),
         tool_drifted=float(sum(s.retokenization_drift for s in samples)),
+        agent_errors=float(sum(s.agent_error for s in samples)),
+        agent_refusals=float(sum(s.agent_refusals for s in samples)),
     )
 
 

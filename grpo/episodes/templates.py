@@ -43,7 +43,7 @@ def use_prefix_preserving_template(tokenizer, tools: list[Callable], template_kw
             ) from None
         log.info("model %r: its chat template is not prefix-preserving; TRL's training template replaces it", model)
         tokenizer.chat_template = training
-    probe = [{"role": "tool", "name": tools[0].__name__, "content": "dummy"}]
+    probe = [{"role": "tool", "name": tools[0].__name__ if tools else "tool", "content": "dummy"}]
     try:
         Renderer(tokenizer, tools, template_kwargs).tool_suffix_ids(probe)
     except ValueError:
