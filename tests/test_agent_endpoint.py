@@ -50,11 +50,14 @@ def calculator_agent(client, row, rewrite=None):
     return None
 
 
-def agent_engine(tokenizer, engine, agent, questions=(QUESTION,), max_completion_length=64, **settings):
+def agent_engine(
+    tokenizer, engine, agent, questions=(QUESTION,), max_completion_length=64, max_model_len=None, **settings
+):
     cfg = SimpleNamespace(
         tool_calling=ToolCallingSettings(**settings),
         max_tool_calling_iterations=None,
         max_completion_length=max_completion_length,
+        max_model_len=max_model_len,
     )
     rows = [{"question": q, "prompt_ids": prompt_ids(tokenizer, q)} for q in questions]
     return AgentEngine(engine, tokenizer, agent, cfg, rows)
@@ -231,6 +234,30 @@ def test_a_tool_result_past_the_budget_ends_the_episode_as_the_native_loop_ends_
         engine.endpoint.close()
     assert len(native.completion_ids) == turn1 and sample.completion_ids == native.completion_ids
     assert len(engine.engine.requests) == 1 and (sample.agent_error, sample.reward) == (False, None)
+
+
+@pytest.mark.parametrize("room", [4, 3])
+def test_no_request_asks_for_more_than_max_model_len(tokenizer, room):
+    """The agent's prompt leaves ``room`` tokens of max_model_len: with min_turn_tokens=4 the turn is sent asking for
+    those 4 tokens at most (the control), with 3 it is not sent: the session ends truncated at its limit (400
+    context_length_exceeded), and nothing reached the engine."""
+    prompt = prompt_ids(tokenizer)
+    engine = agent_engine(
+        tokenizer,
+        ScriptedEngine(tokenizer, ["#### 1776"]),
+        calculator_agent,
+        max_model_len=len(prompt) + room,
+        min_turn_tokens=4,
+    )
+    try:
+        (sample,) = engine.generate([prompt], Sampling())
+    finally:
+        engine.endpoint.close()
+    assert (sample.agent_error, sample.reward) == (False, None)
+    if room == 4:
+        assert [[(ids, max_tokens) for ids, _, max_tokens in r] for r in engine.engine.requests] == [[(prompt, 4)]]
+    else:
+        assert engine.engine.requests == [] and sample.completion_ids == [tokenizer.eos_token_id]
 
 
 def test_an_agent_that_raises_or_hangs_ends_only_its_own_episode(tokenizer):

@@ -157,7 +157,7 @@ class AgentEngine(ToolEngine):
         if self.offline is not None:
             with self.offline:
                 return self.engine.generate([history], sampling)[0]
-        (sample,) = self._generate([history], sampling, [seed], False, session.requests)
+        (sample,) = self._generate([history], sampling, [seed], False, session.requests, [session.prompt_index])
         return sample
 
     def _samples(self, ended: list[tuple[AgentSession, dict, object]]) -> list[Sample]:

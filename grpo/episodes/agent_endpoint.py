@@ -324,6 +324,16 @@ class AgentEndpoint:
         number = len(episode.turns) + 1
         seed = None if session.first_seed is None else turn_seed(session.first_seed, session.number, number)
         budget = owner.max_completion_length - len(episode.completion_ids)
+        history = len(episode.prompt_ids) + len(episode.completion_ids)
+        if owner.max_model_len is not None:  # no request asks for more than the engine's context holds
+            budget = min(budget, owner.max_model_len - history)
+        if budget < owner.min_turn_tokens:
+            episode.truncated = True
+            left = f"{history} tokens leave {budget} of max_model_len={owner.max_model_len}"
+            self._end(
+                session, f"{left}, fewer than tool_calling.min_turn_tokens={owner.min_turn_tokens}", at_limit=True
+            )
+            raise Refused(400, f"session {session.id!r}: {session.ended}", "context_length_exceeded")
         try:
             sample = owner._generate_turn(session, episode.prompt_ids + episode.completion_ids, budget, seed)
         except Exception as err:
