@@ -113,3 +113,5 @@ kill $server; wait $server || true
 # multi-turn rollouts with the server's prefix cache on and off (docs/tools.md)
 .venv/bin/python bench/bench_tool_cache.py --out results/bench_tool_cache.json
 .venv/bin/python bench/bench_tool_schedule.py --out results/bench_tool_schedule.json
+# what seeding every request costs vLLM's V1 sampler (docs/gpus.md)
+.venv/bin/python bench/bench_seeding.py --out results/bench_seeding.json
