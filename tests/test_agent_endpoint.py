@@ -323,3 +323,22 @@ def test_the_shipped_calculator_agent_gives_the_native_episode(tokenizer):
         native.completion_ids,
         native.tool_mask,
     )
+
+
+def test_the_endpoint_queues_every_agent_of_a_rollout_connecting_at_once():
+    """While its threads are busy, 64 agents connect at once: all are queued (socketserver's default backlog of 5,
+    the control, drops the seventh connection's handshake)."""
+    import socket
+    from http.server import BaseHTTPRequestHandler
+
+    from grpo.episodes.agent_endpoint import EndpointServer
+
+    server = EndpointServer(
+        ("127.0.0.1", 0), BaseHTTPRequestHandler
+    )  # not serving: every connection waits in the queue
+    try:
+        connections = [socket.create_connection(server.server_address, timeout=2) for _ in range(64)]
+        for connection in connections:
+            connection.close()
+    finally:
+        server.server_close()

@@ -138,6 +138,12 @@ def first_difference(history: list[dict], sent: list[dict]) -> int | None:
     return None
 
 
+class EndpointServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # every agent of a rollout may connect at once: socketserver's backlog of 5 would refuse connections under load
+    request_queue_size = 1024
+
+
 class AgentEndpoint:
     """The endpoint's sessions and its HTTP server (a daemon thread; one thread per connection)."""
 
@@ -158,8 +164,7 @@ class AgentEndpoint:
             def log_message(self, format, *args):  # noqa: A002 - http.server's signature
                 log.debug("agent endpoint: " + format, *args)
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = EndpointServer((host, port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint").start()
         self.base_url = f"http://{host}:{self.server.server_address[1]}/v1"
 
