@@ -16,7 +16,8 @@ tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml output_dir
 # <run_name>-2 instead of replacing it.
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
        results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-* results/tiny-cpu-server \
-       results/trl-tiny-cpu-server results/tiny-cpu-server-async* results/tiny-cpu-tools* results/trl-tiny-cpu-tools
+       results/trl-tiny-cpu-server results/tiny-cpu-server-async* results/tiny-cpu-tools* results/trl-tiny-cpu-tools \
+       results/tiny-cpu-agent
 "${launch[@]}" "${tiny[@]}"                                    # README's main command, written into results/
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
@@ -80,6 +81,8 @@ for staleness in 1 2; do
 done
 kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_tools.yaml --output_dir results
+# the same task run by an agent that owns its loop, through the OpenAI-compatible endpoint (docs/agents.md)
+"${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_agent.yaml output_dir=results
 .venv/bin/python recipes/plot_tools.py results/tiny-cpu-tools results/tiny-cpu-tools-retokenized \
     results/tiny-cpu-tools-server results/tiny-cpu-tools-server-async{1,2} --out results/grpo_tools.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
