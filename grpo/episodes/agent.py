@@ -20,7 +20,6 @@ whatever the agent does with the refusal.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import threading
@@ -29,10 +28,10 @@ from functools import partial
 
 import torch
 
-from grpo.config import ConfigError
 from grpo.engines.interface import Sample
 from grpo.episodes.agent_endpoint import SESSION_HEADER, AgentEndpoint, AgentSession
 from grpo.episodes.loop import PendingEpisodes, ToolEngine, one_sample
+from grpo.episodes.tools import import_function
 from merge.server_health import start_in_daemon_threads
 
 log = logging.getLogger(__name__)
@@ -42,18 +41,7 @@ FAILED_REWARD = 0.0
 
 def load_agent(name: str | None) -> Callable | None:
     """'module:function' -> the agent function; what cannot be imported is a ConfigError naming it."""
-    if name is None:
-        return None
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"agent {name!r} must look like 'module:function'")
-    try:
-        func = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"agent {name!r} cannot be imported: {err}") from None
-    if not callable(func):
-        raise ConfigError(f"agent {name!r} is not a function")
-    return func
+    return None if name is None else import_function(name, what="agent")
 
 
 class AgentEngine(ToolEngine):

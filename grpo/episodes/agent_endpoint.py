@@ -148,7 +148,7 @@ class AgentEndpoint:
     """The endpoint's sessions and its HTTP server (a daemon thread; one thread per connection)."""
 
     def __init__(self, owner, host: str = "127.0.0.1", port: int = 0):
-        # owner: tokenizer, template_kwargs, max_completion_length, max_iterations, _after_turn, _generate_turn
+        # owner: tokenizer, template_kwargs, max_completion_length, max_iterations, _room, _after_turn, _generate_turn
         self.owner = owner
         self.sessions: dict[str, AgentSession] = {}
         self.ended_ids: OrderedDict[str, None] = OrderedDict()  # the latest ENDED_REMEMBERED, for a 409 over a 404
@@ -328,10 +328,8 @@ class AgentEndpoint:
         episode = session.episode
         number = len(episode.turns) + 1
         seed = None if session.first_seed is None else turn_seed(session.first_seed, session.number, number)
-        budget = owner.max_completion_length - len(episode.completion_ids)
+        budget = owner._room(episode)  # the tool loop's: no request asks for more than the engine's context holds
         history = len(episode.prompt_ids) + len(episode.completion_ids)
-        if owner.max_model_len is not None:  # no request asks for more than the engine's context holds
-            budget = min(budget, owner.max_model_len - history)
         if budget < owner.min_turn_tokens:
             episode.truncated = True
             left = f"{history} tokens leave {budget} of max_model_len={owner.max_model_len}"

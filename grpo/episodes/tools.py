@@ -17,6 +17,21 @@ from grpo.episodes.parsers import typed_arguments
 from merge.server_health import start_in_daemon_threads
 
 
+def import_function(name: str, what: str) -> Callable:
+    """'module:function' -> the function; a name that does not look so, cannot be imported or is not callable is a
+    ConfigError naming ``what`` and the name."""
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {name!r} must look like 'module:function'")
+    try:
+        func = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{what} {name!r} cannot be imported: {err}") from None
+    if not callable(func):
+        raise ConfigError(f"{what} {name!r} is not a function")
+    return func
+
+
 def load_tools(names: list[str] | None) -> list[Callable]:
     """'module:function' -> the functions, each with a JSON schema from its signature and docstring (as TRL and
     transformers build it); what cannot be imported or described is a ConfigError naming it."""
@@ -24,15 +39,7 @@ def load_tools(names: list[str] | None) -> list[Callable]:
 
     tools = []
     for name in names or []:
-        module_name, sep, attr = name.partition(":")
-        if not sep:
-            raise ConfigError(f"tools entry {name!r} must look like 'module:function'")
-        try:
-            func = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"tools entry {name!r} cannot be imported: {err}") from None
-        if not callable(func):
-            raise ConfigError(f"tools entry {name!r} is not a function")
+        func = import_function(name, what="tools entry")
         try:
             get_json_schema(func)
         except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException
