@@ -109,11 +109,11 @@ def tool_metrics(total: dict) -> dict:
         "tools/succeeding_episodes": total["tool_episodes_succeeding"] / episodes,
         "tools/turns_per_episode": total["tool_turns"] / episodes,
         "retokenization_drift": total["tool_drifted"] / episodes,
-        # agents that own their loop (grpo.episodes.agent): episodes ended by the agent's own fault, and requests
-        # refused for a rewritten history, per episode
-        "agent/error_frequency": total.get("agent_errors", 0.0) / episodes,
-        "agent/refusals_per_episode": total.get("agent_refusals", 0.0) / episodes,
     }
+    if "agent_errors" in total:  # agents that own their loop (grpo.episodes.agent): episodes ended by the agent's
+        # own fault, and requests refused for a rewritten history, per episode
+        metrics["agent/error_frequency"] = total["agent_errors"] / episodes
+        metrics["agent/refusals_per_episode"] = total["agent_refusals"] / episodes
     from grpo.episodes.metrics import TURN_GROUPS
 
     for name in TURN_GROUPS:

@@ -130,7 +130,8 @@ def rollout(run: Run, rollout_step: int):
     with rollout_in_progress():  # a stop signal while it waits on tools or the server abandons it
         samples, queue_metrics = run.rollouts.take(rollout_step, use_tqdm=run.rank == 0)
     tokens = sum(len(s.completion_ids) if s.tool_mask is None else sum(s.tool_mask) for s in samples)  # sampled ones
-    metrics = dict(rollout_s=time.perf_counter() - t0, rollout_tokens=tokens, **queue_metrics, **tool_stats(samples))
+    episodes = tool_stats(samples, agent=bool(run.cfg.agent))
+    metrics = dict(rollout_s=time.perf_counter() - t0, rollout_tokens=tokens, **queue_metrics, **episodes)
     return run.prompts_for(rollout_step), samples, metrics
 
 

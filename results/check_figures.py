@@ -17,7 +17,8 @@
      left out, it includes warm-ups), `median_all` (every value: for benchmark repetitions), `min`, `max`,
      `min_after_first`, `max_after_first`, `first`, `last`, `maxdev1` (max |value - 1|);
 
-   - `build MODEL KEY`: the committed build of an embedded model, models/MODEL/build_info.json, its value under KEY;
+   - `build MODEL KEY`: the committed build of an embedded model, models/MODEL/build_info.json, its value under KEY
+     (dotted for a nested entry);
    - `size MODEL`: the size of that folder's files together, in MB (10^6 bytes);
    - `calc EXPRESSION`: arithmetic on written numbers (`+ - * / **` and brackets: `calc (0.25/256)**0.5`), for a
      figure derived from others (a standard error);
@@ -193,7 +194,9 @@ def figure(query: str, tables: Path) -> float:
     elif kind == "run" and len(args) == 3 and args[2] in STATS:
         value = STATS[args[2]](rollout_values(args[0], args[1]))
     elif kind == "build" and len(args) == 2:
-        value = json.loads((ROOT / "models" / args[0] / "build_info.json").read_text())[args[1]]
+        value = json.loads((ROOT / "models" / args[0] / "build_info.json").read_text())
+        for part in args[1].split("."):  # a nested entry: warm_up_prefix.loss
+            value = value[part]
     elif kind == "size" and len(args) == 1:
         value = sum(file.stat().st_size for file in (ROOT / "models" / args[0]).iterdir()) / 1e6
     elif kind == "calc" and args:

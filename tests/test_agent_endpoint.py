@@ -140,7 +140,8 @@ def test_a_rewritten_history_is_refused_naming_the_first_differing_message(token
     assert (code1, param1, code2, param2) == ("history_rewritten", "messages[1]", "history_rewritten", "messages[0]")
     assert "messages[1] is" in text1 and '"role": "tool"' in text1 and "How many pens?" in text2
     assert sample.agent_refusals == 2 and max(sample.turn_of_token) == 2 and not sample.agent_error
-    assert tool_metrics(tool_stats([sample]))["agent/refusals_per_episode"] == 2.0
+    assert tool_metrics(tool_stats([sample], agent=True))["agent/refusals_per_episode"] == 2.0
+    assert not any(k.startswith("agent/") for k in tool_metrics(tool_stats([sample])))  # a native tool run: none
     rewards, _ = score({"r": lambda completions, **_: [1.0 for _ in completions]}, [{"prompt": "p"}], [sample])
     assert rewards.tolist() == [0.25]
 
@@ -288,7 +289,7 @@ def test_an_agent_that_raises_or_hangs_ends_only_its_own_episode(tokenizer):
     assert [s.agent_error for s in samples] == [True, True, False] and late == [409]
     rewards, _ = score({"r": lambda completions, **_: [1.0 for _ in completions]}, [{"prompt": "p"}] * 3, samples)
     assert rewards.tolist() == [0.0, 0.0, 1.0]
-    assert tool_metrics(tool_stats(samples))["agent/error_frequency"] == pytest.approx(2 / 3)
+    assert tool_metrics(tool_stats(samples, agent=True))["agent/error_frequency"] == pytest.approx(2 / 3)
 
 
 def test_an_agent_that_cannot_be_used_is_refused_naming_it():

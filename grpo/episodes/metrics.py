@@ -9,11 +9,12 @@ import torch
 from grpo.engines.interface import Sample
 
 
-def tool_stats(samples: list[Sample]) -> dict[str, float]:
-    """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name)."""
+def tool_stats(samples: list[Sample], agent: bool = False) -> dict[str, float]:
+    """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name); an ``agent``'s
+    episodes (grpo.episodes.agent) add their errors and refused requests."""
     if not samples or samples[0].tool_mask is None:
         return {}
-    return dict(
+    stats = dict(
         tool_episodes=float(len(samples)),
         tool_calls=float(sum(s.tool_calls for s in samples)),
         tool_failures=float(sum(s.tool_failures for s in samples)),
@@ -22,9 +23,13 @@ def tool_stats(samples: list[Sample]) -> dict[str, float]:
         tool_episodes_calling=float(sum(s.tool_calls > 0 for s in samples)),
         tool_episodes_succeeding=float(sum(s.tool_calls > s.tool_failures for s in samples)),
         tool_drifted=float(sum(s.retokenization_drift for s in samples)),
-        agent_errors=float(sum(s.agent_error for s in samples)),
-        agent_refusals=float(sum(s.agent_refusals for s in samples)),
     )
+    if agent:
+        stats.update(
+            agent_errors=float(sum(s.agent_error for s in samples)),
+            agent_refusals=float(sum(s.agent_refusals for s in samples)),
+        )
+    return stats
 
 
 # the turn buckets of the per-turn metrics, (first turn, last turn or None); turn1 and turn2 named as before

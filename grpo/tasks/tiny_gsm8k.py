@@ -19,6 +19,8 @@ dataset.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import random
@@ -180,14 +182,35 @@ def _holds_build(out_dir: Path, args: dict) -> bool:
     return info_path.exists() and json.loads(info_path.read_text()).get("args") == args
 
 
-def _warm_up(model, tokenizer, train: list[dict], *, steps: int, batch_size: int, lr: float, size: str):
-    """The supervised warm-up: AdamW (one-cycle schedule) on the answer tokens of ``train``; returns the last loss."""
+PREFIX_STEPS = 20  # warm-up steps whose result a build records, for tests/test_shipped_models.py to replay
+
+
+def weights_sha256(model) -> str:
+    """A digest of every tensor of ``model``'s state dict (names, shapes, dtypes and bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def prefix_record(model, step: int, loss: float) -> dict:
+    """What a build records after its first ``step`` warm-up steps: the loss of that step and the weights' digest."""
+    return dict(steps=step, loss=loss, weights_sha256=weights_sha256(model))
+
+
+def _warm_up(
+    model, tokenizer, train: list[dict], *, steps: int, batch_size: int, lr: float, size: str, prefix_only=False
+):
+    """The supervised warm-up: AdamW (one-cycle schedule) on the answer tokens of ``train``. Returns the last loss and
+    the `prefix_record` after PREFIX_STEPS steps; ``prefix_only`` stops there (the schedule is still that of
+    ``steps``)."""
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(1, steps), pct_start=0.1)
     model.train()
-    loss = torch.tensor(float("nan"))
+    loss, prefix = torch.tensor(float("nan")), None
     for step in (bar := tqdm(range(steps), desc=f"warm-up {size}")):
         rows = [_encode_example(tokenizer, r) for r in train[step * batch_size : (step + 1) * batch_size]]
         width = max(len(ids) for ids, _ in rows)
@@ -205,7 +228,11 @@ def _warm_up(model, tokenizer, train: list[dict], *, steps: int, batch_size: int
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
-    return loss
+        if step + 1 == min(PREFIX_STEPS, steps):
+            prefix = prefix_record(model, step + 1, loss.item())
+            if prefix_only:
+                break
+    return loss, prefix
 
 
 def _write_atomically(out_dir: Path, write) -> None:
@@ -243,6 +270,17 @@ def shipped_build(args: dict) -> Path | None:
     return next((folder for folder in folders if _holds_build(folder, args)), None)
 
 
+@contextlib.contextmanager
+def all_cores():
+    """Torch on every core while a build (or its replay) runs; launchers set 1 thread per process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def cached_build(out_dir: Path, args: dict, build: bool, make, from_scratch: bool = False) -> str:
     """``out_dir`` when its ``build_info.json`` holds ``args``; else, with ``build=False``, wait for another process
     to build it (however long a build takes on a loaded machine); else a copy of the shipped build of ``args``
@@ -260,15 +298,60 @@ def cached_build(out_dir: Path, args: dict, build: bool, make, from_scratch: boo
         _write_atomically(out_dir, lambda folder: shutil.copytree(shipped, folder))
         print(f"{out_dir}: copied the shipped build {shipped.name} (trained afresh with --from-scratch)", flush=True)
         return str(out_dir)
-    start, threads = time.perf_counter(), torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
+    start = time.perf_counter()
+    with all_cores():
         model, tokenizer, figures = make()
-    finally:
-        torch.set_num_threads(threads)
     info = dict(args=args, **figures, build_seconds=round(time.perf_counter() - start, 1), **cpu_kind())
     _save_atomically(model, tokenizer, info, out_dir)
     return str(out_dir)
+
+
+def _initial_state(args: dict):
+    """The build's model before its warm-up, its tokenizer and its warm-up problems."""
+    torch.manual_seed(args["seed"])
+    tokenizer = build_tokenizer()
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    model = new_model(
+        args["size"],
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+    )
+    problems = make_problems(args["warmup_steps"] * args["batch_size"], seed=args["seed"] + 1)
+    return model, tokenizer, with_slips(problems, args["slip_rate"], seed=args["seed"] + 3)
+
+
+def _held_out_figures(model, tokenizer, args: dict) -> dict:
+    held_out = make_problems(128, seed=args["seed"] + 2)
+    return dict(
+        greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
+        sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=args["seed"]),
+    )
+
+
+def replay_warm_up_prefix(args: dict) -> dict:
+    """The `prefix_record` of a build of ``args``, from its first PREFIX_STEPS warm-up steps only."""
+    with all_cores():
+        model, tokenizer, train = _initial_state(args)
+        steps, batch_size, lr = args["warmup_steps"], args["batch_size"], args["learning_rate"]
+        _, prefix = _warm_up(
+            model, tokenizer, train, steps=steps, batch_size=batch_size, lr=lr, size=args["size"], prefix_only=True
+        )
+        return prefix
+
+
+def held_out_figures(folder: str | Path) -> dict:
+    """The held-out figures of the build saved in ``folder``, measured again on its saved weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = json.loads((Path(folder) / "build_info.json").read_text())["args"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with all_cores():
+        return _held_out_figures(model, AutoTokenizer.from_pretrained(folder), args)
 
 
 def build_tiny_model(
@@ -304,29 +387,12 @@ def build_tiny_model(
     )
 
     def make():
-        torch.manual_seed(seed)
-        tokenizer = build_tokenizer()
-        vocab = (len(tokenizer) + 63) // 64 * 64
-        model = new_model(
-            size,
-            vocab_size=vocab,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            rope_theta=10000.0,
+        model, tokenizer, train = _initial_state(args)
+        loss, prefix = _warm_up(
+            model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate, size=size
         )
-        train = with_slips(make_problems(warmup_steps * batch_size, seed=seed + 1), slip_rate, seed=seed + 3)
-        loss = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate, size=size)
-        held_out = make_problems(128, seed=seed + 2)
-        figures = dict(
-            parameters=sum(p.numel() for p in model.parameters()),
-            final_loss=loss.item(),
-            greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
-            sampled_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=False, seed=seed),
-        )
-        return model, tokenizer, figures
+        figures = dict(parameters=sum(p.numel() for p in model.parameters()), final_loss=loss.item())
+        return model, tokenizer, dict(figures, **_held_out_figures(model, tokenizer, args), warm_up_prefix=prefix)
 
     return cached_build(out_dir, args, build, make, from_scratch)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 
 from grpo.engines.interface import Sample
 from grpo.tasks.rewards import gsm8k_exact_answer_reward
-from grpo.tasks.tiny_gsm8k import NAMES, OBJECTS, cached_build, new_model
+from grpo.tasks.tiny_gsm8k import NAMES, OBJECTS, PREFIX_STEPS, all_cores, cached_build, new_model, prefix_record
 from grpo.tasks.tool_functions import calculator
 
 TOOLS = [calculator]
@@ -307,11 +308,14 @@ def _length_batches(rows: list[list[int]], steps: int, batch_size: int, window: 
     return batches
 
 
-def _warm_up(model, tokenizer, conversations: list[list[dict]], *, steps: int, batch_size: int, lr: float) -> float:
+def _warm_up(
+    model, tokenizer, conversations: list[list[dict]], *, steps: int, batch_size: int, lr: float, prefix_only=False
+):
     """The supervised warm-up: AdamW (one-cycle schedule) on what the assistant writes in ``conversations`` (its
     content, tool calls and ``<|im_end|>``; not the system, user or tool tokens). Every token weighs the same in
     every batch (the loss is a sum over a batch divided by the mean tokens per batch), so batches of direct answers
-    do not outweigh batches of tool calls. Returns the mean loss per token over the last tenth of the steps."""
+    do not outweigh batches of tool calls. Returns the mean loss per token over the last tenth of the steps and the
+    `prefix_record` after PREFIX_STEPS steps (its loss per token of that step); ``prefix_only`` stops there."""
     from tqdm.auto import tqdm
 
     encoded = tokenizer.apply_chat_template(
@@ -322,7 +326,7 @@ def _warm_up(model, tokenizer, conversations: list[list[dict]], *, steps: int, b
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(1, steps), pct_start=0.1)
     model.train()
-    tail_loss, tail_tokens = 0.0, 0
+    tail_loss, tail_tokens, prefix = 0.0, 0, None
     for step, rows in enumerate(bar := tqdm(batches, desc="warm-up tools")):
         width = max(len(encoded["input_ids"][r]) for r in rows)
         input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
@@ -344,7 +348,66 @@ def _warm_up(model, tokenizer, conversations: list[list[dict]], *, steps: int, b
         bar.set_postfix(loss=f"{loss.item() * tokens_per_batch / tokens:.3f}")
         if step >= steps - max(1, steps // 10):
             tail_loss, tail_tokens = tail_loss + loss.item() * tokens_per_batch, tail_tokens + tokens
-    return tail_loss / tail_tokens
+        if step + 1 == min(PREFIX_STEPS, steps):
+            prefix = prefix_record(model, step + 1, loss.item() * tokens_per_batch / tokens)
+            if prefix_only:
+                return None, prefix
+    return tail_loss / tail_tokens, prefix
+
+
+def _initial_state(args: dict):
+    """The build's model before its warm-up, its tokenizer (trained on the warm-up's conversations) and those."""
+    seed, batch_size = args["seed"], args["batch_size"]
+    torch.manual_seed(seed)
+    rng = random.Random(seed + 3)
+    train = [
+        tool_conversation(p, call_tool=i < args["tool_only_steps"] * batch_size or rng.random() < args["tool_rate"])
+        for i, p in enumerate(make_tool_problems(args["warmup_steps"] * batch_size, seed=seed + 1))
+    ]
+    tokenizer = build_tool_tokenizer(render(train[:: max(1, len(train) // TOKENIZER_TEXTS)]))  # both phases
+    model = new_model(
+        "tiny",
+        vocab_size=(len(tokenizer) + 63) // 64 * 64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+    )
+    return model, tokenizer, train
+
+
+def _held_out_figures(model, tokenizer, args: dict) -> dict:
+    held_out = make_tool_problems(128, seed=args["seed"] + 2)
+    sampled = measure_tool_episodes(model, tokenizer, held_out, greedy=False, seed=args["seed"])
+    greedy = measure_tool_episodes(model, tokenizer, held_out, greedy=True)
+    return dict(
+        tool_call_rate=sampled["tool_call_rate"],
+        sampled_accuracy=sampled["accuracy"],
+        sampled_accuracy_with_tool=sampled["accuracy_with_tool"],
+        sampled_accuracy_without_tool=sampled["accuracy_without_tool"],
+        sampled_retokenized_differs=sampled["retokenized_differs"],
+        greedy_tool_call_rate=greedy["tool_call_rate"],
+        greedy_accuracy=greedy["accuracy"],
+    )
+
+
+def replay_warm_up_prefix(args: dict) -> dict:
+    """The `prefix_record` of a build of ``args``, from its first PREFIX_STEPS warm-up steps only."""
+    with all_cores():
+        model, tokenizer, train = _initial_state(args)
+        steps, batch_size, lr = args["warmup_steps"], args["batch_size"], args["learning_rate"]
+        return _warm_up(model, tokenizer, train, steps=steps, batch_size=batch_size, lr=lr, prefix_only=True)[1]
+
+
+def held_out_figures(folder: str | Path) -> dict:
+    """The held-out figures of the build saved in ``folder``, measured again on its saved weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = json.loads((Path(folder) / "build_info.json").read_text())["args"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with all_cores():
+        return _held_out_figures(model, AutoTokenizer.from_pretrained(folder), args)
 
 
 def build_tool_model(
@@ -379,38 +442,10 @@ def build_tool_model(
     )
 
     def make():
-        torch.manual_seed(seed)
-        rng = random.Random(seed + 3)
-        train = [
-            tool_conversation(p, call_tool=i < tool_only_steps * batch_size or rng.random() < tool_rate)
-            for i, p in enumerate(make_tool_problems(warmup_steps * batch_size, seed=seed + 1))
-        ]
-        tokenizer = build_tool_tokenizer(render(train[:: max(1, len(train) // TOKENIZER_TEXTS)]))  # both phases
-        model = new_model(
-            "tiny",
-            vocab_size=(len(tokenizer) + 63) // 64 * 64,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            rope_theta=10000.0,
-        )
-        loss = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate)
-        held_out = make_tool_problems(128, seed=seed + 2)
-        sampled = measure_tool_episodes(model, tokenizer, held_out, greedy=False, seed=seed)
-        greedy = measure_tool_episodes(model, tokenizer, held_out, greedy=True)
-        figures = dict(
-            parameters=sum(p.numel() for p in model.parameters()),
-            final_loss=loss,
-            tool_call_rate=sampled["tool_call_rate"],
-            sampled_accuracy=sampled["accuracy"],
-            sampled_accuracy_with_tool=sampled["accuracy_with_tool"],
-            sampled_accuracy_without_tool=sampled["accuracy_without_tool"],
-            sampled_retokenized_differs=sampled["retokenized_differs"],
-            greedy_tool_call_rate=greedy["tool_call_rate"],
-            greedy_accuracy=greedy["accuracy"],
-        )
-        return model, tokenizer, figures
+        model, tokenizer, train = _initial_state(args)
+        loss, prefix = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate)
+        figures = dict(parameters=sum(p.numel() for p in model.parameters()), final_loss=loss)
+        return model, tokenizer, dict(figures, **_held_out_figures(model, tokenizer, args), warm_up_prefix=prefix)
 
     return cached_build(Path(out_dir), args, build, make, from_scratch)
 
