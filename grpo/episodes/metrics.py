@@ -13,7 +13,14 @@ def tool_stats(samples: list[Sample]) -> dict[str, float]:
     """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name)."""
     if not samples or samples[0].tool_mask is None:
         return {}
+    environments = {}
+    if samples[0].turn_rewards is not None:  # environment_factory
+        environments = dict(
+            env_failures=float(sum(s.env_failure is not None for s in samples)),
+            env_step_reward=float(sum(sum(s.turn_rewards) for s in samples)),
+        )
     return dict(
+        **environments,
         tool_episodes=float(len(samples)),
         tool_calls=float(sum(s.tool_calls for s in samples)),
         tool_failures=float(sum(s.tool_failures for s in samples)),
