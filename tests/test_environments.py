@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import toy_environments
+from recipe_runs import launch
 from test_tools import Sampling, ScriptedEngine, tokenizer  # noqa: F401 - the fixture
 
 from grpo.config import ConfigError, ToolCallingSettings, load_config
@@ -127,14 +128,17 @@ def test_the_group_seed_gives_a_prompts_episodes_one_initial_state(tokenizer, mo
 
 
 def test_the_models_faults_are_error_results_the_environments_fail_the_episode(tokenizer):  # noqa: F811
-    """An unknown method and arguments the method does not take are the model's: error results, the episode goes
-    on (the control). A reset or a step that raises, a step that hangs and a non-finite step reward are the
-    environment's: the episode ends there, failed, its instance kept for release."""
-    calls = guess(1, name="peek") + guess(1, argument="numbr")
+    """An unknown method, arguments the method does not take and a ValueError it raises (TRL's way to refuse a
+    move) are the model's: error results, the episode goes on (the control). A reset that raises, a step that raises
+    an OSError, a step that hangs and a non-finite step reward are the environment's: the episode ends there,
+    failed, its instance kept for release."""
+    calls = guess(1, name="peek") + guess(1, argument="numbr") + guess(150)
     model_faults = env_engine(tokenizer, "SecretNumber", [calls, "#### done"], max_completion_length=400)
     sample = model_faults.generate(make_rows(model_faults, ["q"]), Sampling(n=2, max_tokens=400))[0]
-    assert (sample.tool_calls, sample.tool_failures, sample.env_failure) == (2, 2, None)
-    assert "'peek' not found" in tokenizer.decode(sample.completion_ids) and max(sample.turn_of_token) == 2
+    assert (sample.tool_calls, sample.tool_failures, sample.env_failure) == (3, 3, None)
+    text = tokenizer.decode(sample.completion_ids)
+    assert "'peek' not found" in text and "ValueError: 150 is not from 0 to 99" in text
+    assert max(sample.turn_of_token) == 2
 
     cases = {
         "ResetRaises": "reset raised ConnectionError: sandbox preempted",
@@ -398,3 +402,34 @@ def test_on_a_server_the_episodes_are_the_colocated_ones(tokenizer, schedule):  
     failing = env_engine(tokenizer, "ResetRaises", engine=ScriptedServer(tokenizer, turns), schedule=schedule)
     samples = failing.receive(failing.send(make_rows(failing, ["q"]), Sampling(n=2)))
     assert [s.versions for s in samples] == [[0], [0]] and all(s.env_failure for s in samples)
+
+
+def test_a_run_with_an_environment_trains_then_stops_in_one_line_when_it_keeps_failing(tmp_path, tiny_tool_model):
+    """The tool task with its calculator as an environment (grpo.tasks.environments:Calculator, as README's command
+    runs it; here its sandbox preempted after 16 episodes a process: tests/toy_environments.py) and advantage=turn,
+    2 processes: rollout step 1 trains, every turn on-policy and equal to the engine (fp32), no episode failed;
+    then every reset of each process raises, 16 in a row on each, past tool_calling.max_consecutive_failures=8: the
+    run stops before step 2's update, in one line, with step 1's checkpoint."""
+    overrides = [
+        "tools=null",
+        "environment_factory=toy_environments:PreemptedCalculator",
+        "advantage=turn",
+        "gamma=0.9",
+        "tool_calling.max_consecutive_failures=8",
+        "save_steps=2",
+        "max_completion_length=48",
+        "data.max_prompt_length=64",
+    ]
+    proc, metrics = launch(tmp_path, tiny_tool_model, *overrides, config="tiny_cpu_tools.yaml")
+    assert proc.returncode != 0
+    [step] = metrics
+    assert step["env/failure_frequency"] == 0 and step["tools/call_frequency"] > 0.3, step
+    assert step["ratio_onpolicy_maxdev"] <= 1e-5 and step["rollout_logprob_diff_turn1"] <= 1e-6, step
+    assert step.get("rollout_logprob_diff_turn2", 0.0) <= 1e-6, step
+    line = (
+        "error: 16 environment episodes in a row failed, more than tool_calling.max_consecutive_failures=8 (the last "
+        "on this process: reset raised ConnectionError: sandbox preempted); stopped before the update, the last "
+        f"checkpoint is {tmp_path / 'run' / 'checkpoint-2'}"
+    )
+    assert proc.stderr.count(line) == 1, proc.stderr[-5000:]
+    assert [c.name for c in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-2"]

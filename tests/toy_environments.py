@@ -6,6 +6,8 @@ import random
 import threading
 import time
 
+from grpo.tasks.environments import Calculator
+
 BUILT: list = []  # every instance built, in order
 
 
@@ -28,6 +30,8 @@ class SecretNumber:
         Args:
             number: the guess, 0 to 99
         """
+        if not 0 <= number <= 99:
+            raise ValueError(f"{number} is not from 0 to 99")
         self.guesses.append(number)
         if number == self.secret:
             return "right", 1.0
@@ -93,3 +97,16 @@ class NoSeed:
     def look(self) -> str:
         """Look around."""
         return "nothing"
+
+
+class PreemptedCalculator(Calculator):
+    """The shipped calculator environment whose sandbox is preempted after its first 16 episodes in a process: every
+    later reset raises ConnectionError."""
+
+    resets = 0
+
+    def reset(self, seed=None, **row):
+        PreemptedCalculator.resets += 1
+        if PreemptedCalculator.resets > 16:
+            raise ConnectionError("sandbox preempted")
+        return super().reset(seed, **row)

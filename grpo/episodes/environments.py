@@ -17,11 +17,14 @@ Added here:
   group compares its episodes from one state and its baseline is the state's, not a mixture's.
 - **Per-step rewards.** A method may return ``(observation, reward)``: the reward (a finite number) is its model
   turn's; `turn_rewards` holds each turn's sum (`advantage`: docs/environments.md).
-- **Failures of the environment are not the policy's.** A reset or a step that raises or runs past
+- **Failures of the environment are not the policy's.** A factory or a reset that raises or runs past
   tool_calling.timeout_s, a reset whose observation is not a str or makes the prompt longer than
-  data.max_prompt_length, and a factory that raises end the episode as failed (`Sample.env_failure`): the recipe
-  leaves it out of its group's baseline and of the loss, and counts it (`env/failure_frequency`). A malformed
-  call, an unknown method or arguments the method does not take are the model's: an error result, as for tools.
+  data.max_prompt_length, a step that runs past the timeout, raises an `OSError` (Python's `EnvironmentError`:
+  ConnectionError, a broken pipe, a sandbox gone) or `EnvironmentFailure`, or returns a reward that is not a finite
+  number end the episode as failed (`Sample.env_failure`): the recipe leaves it out of its group's baseline and of
+  the loss, and counts it (`env/failure_frequency`). Any other exception a step raises is the model's, as in TRL
+  (an environment tells the model "no such move" by raising ValueError): an error result, as are a malformed
+  call, an unknown method and arguments the method does not take.
 - **Every instance is released**, its ``close()`` called (within tool_calling.timeout_s, on a thread of its own: one
   that hangs is left there and counted) once: after scoring (`release`), when the rollout fails or is abandoned
   (its episodes' instances at once), and for whatever is still open when the engine closes (a stop signal's path).
@@ -54,7 +57,8 @@ SEED = "seed"  # reset's keyword for the group's seed
 
 
 class EnvironmentFailure(RuntimeError):
-    """An environment's reset or step raised or hung: its episode failed, not by the policy's doing."""
+    """An environment's reset or step failed (raised or hung): its episode failed, not by the policy's doing. An
+    environment may raise it itself, as it may raise an OSError."""
 
 
 class EnvironmentFailing(RuntimeError):
@@ -178,8 +182,9 @@ def close_within(instance, timeout_s: float) -> str | None:
 
 @dataclass
 class EnvironmentCaller(ToolCaller):
-    """Runs one episode's calls on its own instance. A step that raises or hangs is an `EnvironmentFailure`; a
-    ``(observation, reward)`` return gives its reward to `step_rewards`; the model's faults are error results."""
+    """Runs one episode's calls on its own instance. A step that hangs or raises an OSError or `EnvironmentFailure`
+    is an `EnvironmentFailure`; a ``(observation, reward)`` return gives its reward to `step_rewards`; anything
+    else that goes wrong is the model's: an error result."""
 
     described: dict[str, Callable] = field(default_factory=dict)  # name -> the probe's method (argument types)
     step_rewards: list[float] = field(default_factory=list)  # the last `run`'s rewards
@@ -196,7 +201,7 @@ class EnvironmentCaller(ToolCaller):
             raise ValueError(f"{call['name']}: {err}") from None  # arguments the method does not take: the model's
         try:
             return run_to_result(tool(**arguments))
-        except BaseException as err:  # noqa: BLE001 - raised by the environment: its failure, told apart here
+        except (OSError, EnvironmentFailure) as err:  # the environment's infrastructure: told apart here
             raise StepError(f"{call['name']} raised {type(err).__name__}: {err}") from err
 
     def _resolve(self, call: dict | str) -> tuple[Callable, dict]:
