@@ -373,8 +373,6 @@ def setup(cfg: RecipeConfig) -> Run:
         reward_funcs[environment.described_class.__name__] = environment.get_reward
     problems = load_problems(cfg)
     check_reward_columns(cfg, list(reward_funcs.values()), problems)
-    if environment is not None:
-        check_reset_arguments(environment, problems[0])
     check_memory(cfg, model_config, world, device, fsdp)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     if (
@@ -383,6 +381,8 @@ def setup(cfg: RecipeConfig) -> Run:
         use_prefix_preserving_template(tokenizer, tools, cfg.data.chat_template_kwargs, cfg.model.name_or_path)
         resolve_parser(cfg.tool_calling.parser, tokenizer)  # after: it reads the template that is used
     problems = tokenize_prompts(cfg, tokenizer, problems, tools=tools)
+    if environment is not None:  # a reset that cannot take a row's columns (its prompt among them) and the seed
+        check_reset_arguments(environment, problems[0])
     random.Random(cfg.seed).shuffle(problems)
     eval_problems = held_out_problems(cfg, tokenizer, problems, tools)
 
