@@ -283,6 +283,12 @@ class ToolCallingSettings:
         "a group's mean and std reward leave its truncated episodes out (as TRL leaves out an unscorable "
         "completion: NaN, then nanmean and nanstd); their advantage is 0",
     )
+    max_consecutive_failures: int = setting(
+        32,
+        "environment_factory: episodes of one process whose environment failed in a row (its reset or a step raised "
+        "or hung) before the run stops, in one line, before the update (its checkpoints as they were)",
+        range=">= 1",
+    )
 
 
 @dataclass
@@ -404,6 +410,22 @@ class RecipeConfig:
         range="'module:function' or null",
         check=lambda v: ":" in v,
     )
+    environment_factory: str | None = setting(
+        None,
+        "GRPOTrainer's environment_factory, as 'module:Class': one instance per episode, reset(**row, seed=<the "
+        "group's seed>) gives an optional observation appended to the prompt, its public methods are the episode's "
+        "tools, reward functions get environments= (grpo/episodes/environments.py, docs/environments.md)",
+        range="'module:Class' or null",
+        check=lambda v: ":" in v,
+    )
+    advantage: str = setting(
+        "episode",
+        "episode: one advantage per episode (its group-normalized reward, step rewards added); turn: each model turn "
+        "its own, the discounted return from that turn on (gamma) normalized among its group's same-numbered turns "
+        "(multi-turn episodes: tools or environment_factory; docs/environments.md)",
+        choices=("episode", "turn"),
+    )
+    gamma: float = setting(1.0, "the discount of advantage=turn's per-turn returns", range="in [0, 1]")
     max_tool_calling_iterations: int | None = setting(
         None,
         "tool-calling rounds per episode; null: until a turn calls no tool or max_completion_length is reached",
@@ -471,7 +493,14 @@ class RecipeConfig:
             self.check_asynchronous()
         if self.agent:
             self.check_agent()
-        if self.tools:
+        if self.environment_factory:
+            self.check_environment()
+        elif self.advantage == "turn" and not self.tools:
+            raise ConfigError(
+                "advantage='turn' gives each model turn of a multi-turn episode its own advantage: set tools or "
+                "environment_factory as well"
+            )
+        if self.tools or self.environment_factory:
             self.check_tools()
         elif self.tool_calling.retokenize:
             raise ConfigError("tool_calling.retokenize=True compares multi-turn tool episodes: set tools as well")
@@ -533,6 +562,19 @@ class RecipeConfig:
         if not self.data.use_chat_template:
             raise ConfigError(
                 f"agent={self.agent!r} needs data.use_chat_template=true: the chat template renders its messages"
+            )
+
+    def check_environment(self) -> None:
+        """An environment's methods are its tools, described by the chat template; an agent runs its own loop."""
+        if self.agent:
+            raise ConfigError(
+                f"agent={self.agent!r} and environment_factory={self.environment_factory!r} together: an agent runs "
+                "its own loop and tools; set one of them"
+            )
+        if not self.data.use_chat_template:
+            raise ConfigError(
+                f"environment_factory={self.environment_factory!r} needs data.use_chat_template=true: the chat "
+                "template describes the environment's methods to the model and renders their results"
             )
 
     def check_tools(self) -> None:

@@ -24,6 +24,10 @@ log = logging.getLogger("grpo")
 
 # Arguments TRL passes to reward functions itself; every other required parameter names a dataset column.
 _TRL_REWARD_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+_TRL_REWARD_ARGS |= {"environments"}  # with environment_factory: each completion's environment instance
+
+
+USER_TEXT = "_user_text"  # a tokenized row's user message (`tokenize_prompts`), before the chat template
 
 
 def load_reward_funcs(names: list[str]) -> list:
@@ -113,32 +117,15 @@ def tokenize_prompts(
     ``tools`` (functions), the chat template describes them to the model."""
     kept, empty, too_long = [], 0, 0
     for row in problems:
-        try:
-            text = cfg.data.prompt_template.format(**row)
-        except KeyError as err:
-            raise ConfigError(
-                f"data.prompt_template={cfg.data.prompt_template!r} names column {err} that "
-                f"data.name={cfg.data.name!r} lacks; it has {sorted(row)}"
-            ) from None
-        if cfg.data.use_chat_template and tokenizer.chat_template:
-            messages = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-            messages.append({"role": "user", "content": text})
-            text = tokenizer.apply_chat_template(
-                messages,
-                tools=tools or None,
-                tokenize=False,
-                add_generation_prompt=True,
-                **cfg.data.chat_template_kwargs,
-            )
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = tokenizer(text).input_ids
+        user = user_text(cfg, row)
+        text, ids = render_prompt(cfg, tokenizer, user, tools)
         if not text.strip() or not ids:
             empty += 1
         elif len(ids) > cfg.data.max_prompt_length:
             too_long += 1
         else:
-            kept.append({**row, "prompt": text, "prompt_ids": ids})
+            # the user message kept (private: no reward function gets it) for an environment's observation to follow
+            kept.append({**row, "prompt": text, "prompt_ids": ids, USER_TEXT: user})
     if empty or too_long:
         log.warning(
             "dropped %d empty and %d %ss longer than data.max_prompt_length=%d tokens (of %d)",
@@ -153,11 +140,41 @@ def tokenize_prompts(
     return kept
 
 
+def user_text(cfg: RecipeConfig, row: dict) -> str:
+    """The user message of a row: data.prompt_template filled from its columns."""
+    try:
+        return cfg.data.prompt_template.format(**row)
+    except KeyError as err:
+        raise ConfigError(
+            f"data.prompt_template={cfg.data.prompt_template!r} names column {err} that "
+            f"data.name={cfg.data.name!r} lacks; it has {sorted(row)}"
+        ) from None
+
+
+def render_prompt(cfg: RecipeConfig, tokenizer, text: str, tools: list | None = None) -> tuple[str, list[int]]:
+    """A user message as the prompt (text, ids): through the chat template, with ``tools`` described to the model
+    (data.use_chat_template), else as it is."""
+    if cfg.data.use_chat_template and tokenizer.chat_template:
+        messages = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+        messages.append({"role": "user", "content": text})
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=True,
+            **cfg.data.chat_template_kwargs,
+        )
+        return text, tokenizer(text, add_special_tokens=False).input_ids
+    return text, tokenizer(text).input_ids
+
+
 def score(reward_funcs: dict, rows: list[dict], samples) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Call each reward function as TRL does; returns (summed rewards [N], {name: the non-None values}). A sample
     carrying its own reward (an agent's, `Sample.reward`) gets that reward instead of the sum."""
     sample_rows = [rows[s.prompt_index] for s in samples]
-    columns = {k: [row[k] for row in sample_rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    columns = {k: [row[k] for row in sample_rows] for k in rows[0] if k not in ("prompt", "prompt_ids", USER_TEXT)}
+    if samples and samples[0].turn_rewards is not None:  # environment_factory: TRL's `environments=`
+        columns["environments"] = [s.environment for s in samples]
     table, returned = [], {}
     for name, func in reward_funcs.items():
         values = func(
@@ -203,6 +220,57 @@ def group_advantages(
         others = rewards[~excluded]
         return centered / ((others.std() if others.numel() > 1 else torch.zeros(())) + 1e-4)
     return centered
+
+
+def turn_returns(turn_rewards: list[float], outcome: float, gamma: float) -> list[float]:
+    """Each model turn's discounted return: its step reward, plus ``gamma`` times the next turn's return; the
+    episode's outcome (what the reward functions give it) is its last turn's reward, added to that turn's step
+    reward."""
+    rewards = list(turn_rewards)
+    if not rewards:
+        return []
+    rewards[-1] += outcome
+    returns, later = [], 0.0
+    for reward in reversed(rewards):
+        later = reward + gamma * later
+        returns.append(later)
+    return returns[::-1]
+
+
+def turn_advantages(
+    returns: list[list[float]], group: int, scale: str, excluded: torch.Tensor | None = None
+) -> list[list[float]]:
+    """advantage=turn: each turn's return minus the mean of the returns of its group's turns of the same number
+    (the episodes that reached it), divided by their std (scale='group'), by the std of every turn's return in the
+    batch ('batch') or by nothing ('none'). Excluded episodes are in no baseline and get 0 on every turn. Where every
+    episode has one turn this is `group_advantages`."""
+    kept = [not bool(excluded[i]) if excluded is not None else True for i in range(len(returns))]
+    table = [torch.tensor(r, dtype=torch.float32) for r in returns]
+    every = [t for t, keep in zip(table, kept) if keep and t.numel()]
+    batch_std = torch.cat(every).std() if every and sum(t.numel() for t in every) > 1 else torch.zeros(())
+    advantages = [torch.zeros(len(r)) for r in returns]
+    for start in range(0, len(returns), group):
+        members = [i for i in range(start, start + group) if kept[i]]
+        for turn in range(max((len(returns[i]) for i in members), default=0)):
+            reached = [i for i in members if len(returns[i]) > turn]
+            values = torch.stack([table[i][turn] for i in reached])
+            centered = values - values.mean()
+            if scale == "group":
+                centered = centered / ((values.std() if len(reached) > 1 else torch.zeros(())) + 1e-4)
+            elif scale == "batch":
+                centered = centered / (batch_std + 1e-4)
+            for i, value in zip(reached, centered):
+                advantages[i][turn] = value
+    return [a.tolist() for a in advantages]
+
+
+def token_advantages(per_turn: list[list[float]], turn_of_token: torch.Tensor) -> torch.Tensor:
+    """[N, R]: each model token the advantage of the turn that sampled it (``turn_of_token``: 1, 2, ...), each tool
+    token (turn 0) 0."""
+    table = torch.zeros((len(per_turn), 1 + max((len(a) for a in per_turn), default=0)))
+    for i, advantages in enumerate(per_turn):
+        table[i, 1 : 1 + len(advantages)] = torch.tensor(advantages, dtype=table.dtype)
+    return table.to(turn_of_token.device).gather(1, turn_of_token)
 
 
 def make_batch(samples, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:

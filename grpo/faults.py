@@ -49,6 +49,23 @@ def stop_if_nonfinite(where: str, quantities: dict[str, torch.Tensor], last_chec
         )
 
 
+def stop_if_environment_failing(engine, limit: int, last_checkpoint: Path | None) -> None:
+    """Collective (with environment_factory): every rank raises `EnvironmentFailing` if on any rank more than
+    ``limit`` episodes in a row failed (their environment's reset or a step raised or hung), before the update."""
+    if not hasattr(engine, "failure_streak"):
+        return
+    from grpo.episodes.environments import EnvironmentFailing
+
+    longest, last = engine.failure_streak()
+    worst = int(reduce_across_ranks(maxs={"env_failure_streak": longest})["env_failure_streak"])
+    if worst > limit:
+        checkpoint = f"the last checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
+        raise EnvironmentFailing(
+            f"{worst} environment episodes in a row failed, more than tool_calling.max_consecutive_failures={limit} "
+            f"(the last on this process: {last}); stopped before the update, {checkpoint}"
+        )
+
+
 class StopRequest:
     """SIGINT/SIGTERM set a flag: the loop checks it between phases, saves a checkpoint and exits. One that comes
     while the rollout waits on tools or on the server (a hung tool waits up to tool_calling.timeout_s, a server

@@ -34,7 +34,7 @@ def reduce_statistics(rewards, batch, phases: dict, update_stats: dict, device: 
     local = dict(
         reward_sum=rewards.nansum().item(),
         reward_sq_sum=(rewards.nan_to_num() ** 2).sum().item(),
-        samples=len(rewards),
+        samples=int((~rewards.isnan()).sum()),  # scored ones: a failed environment episode's reward is NaN
         logprob_diff_sum=diff.sum().item(),
         logprob_diff_count=diff.numel(),
         logprob_diff_max=diff.max().item() if diff.numel() else 0.0,
@@ -114,6 +114,9 @@ def tool_metrics(total: dict) -> dict:
         # own fault, and requests refused for a rewritten history, per episode
         metrics["agent/error_frequency"] = total["agent_errors"] / episodes
         metrics["agent/refusals_per_episode"] = total["agent_refusals"] / episodes
+    if "env_failures" in total:  # environment_factory: episodes whose environment failed (reset or a step)
+        metrics["env/failure_frequency"] = total["env_failures"] / episodes
+        metrics["env/step_reward_per_episode"] = total["env_step_reward"] / episodes
     from grpo.episodes.metrics import TURN_GROUPS
 
     for name in TURN_GROUPS:
@@ -136,7 +139,7 @@ def step_metrics(
     total: dict, *, rollout_step: int, global_step: int, merge: bool, legacy_slice: bool, lr: float
 ) -> dict:
     """The metrics.jsonl line of a rollout step, from its statistics summed (min-ed, max-ed) over ranks."""
-    n, ratios = total["samples"], max(1.0, total["ratio_count"])
+    n, ratios = max(1.0, total["samples"]), max(1.0, total["ratio_count"])
     reward_mean = total["reward_sum"] / n
     metrics = dict(
         rollout_step=rollout_step,

@@ -23,12 +23,21 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpo.checkpointing import list_checkpoints, load_checkpoint
 from grpo.config import ConfigError, RecipeConfig, config_to_dict
-from grpo.data import check_reward_columns, held_out_problems, load_problems, load_reward_funcs, tokenize_prompts
+from grpo.data import (
+    USER_TEXT,
+    check_reward_columns,
+    held_out_problems,
+    load_problems,
+    load_reward_funcs,
+    render_prompt,
+    tokenize_prompts,
+)
 from grpo.engines.build import prepare_engine
 from grpo.engines.colocated import check_vllm_lora_targets
 from grpo.engines.interface import Engine
 from grpo.engines.rollout_queue import RolloutQueue
 from grpo.episodes.agent import AgentEngine, load_agent
+from grpo.episodes.environments import EnvironmentEngine, check_reset_arguments, load_environment
 from grpo.episodes.loop import ToolEngine
 from grpo.episodes.parsers import resolve_parser
 from grpo.episodes.templates import use_prefix_preserving_template
@@ -334,6 +343,9 @@ def setup(cfg: RecipeConfig) -> Run:
     check_paths(cfg, rank)
     tools = load_tools(cfg.tools)  # a tool that cannot be imported or described: refused before any work
     agent = load_agent(cfg.agent)  # likewise an agent
+    environment = load_environment(cfg.environment_factory)  # likewise an environment (one instance probed)
+    if environment is not None:  # its methods are the episode's tools, as TRL makes them
+        tools = environment.described
     # refuses what the engine cannot do here (or a server that is not there), before any work
     start_engine = prepare_engine(cfg, rank=rank, world=world, device_type=device.type)
     named_dir = run_folder(cfg)
@@ -357,6 +369,8 @@ def setup(cfg: RecipeConfig) -> Run:
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     reward_funcs = dict(zip(cfg.reward_funcs, load_reward_funcs(cfg.reward_funcs)))
+    if environment is not None and environment.get_reward is not None:  # TRL's: the environment owns a reward
+        reward_funcs[environment.described_class.__name__] = environment.get_reward
     problems = load_problems(cfg)
     check_reward_columns(cfg, list(reward_funcs.values()), problems)
     check_memory(cfg, model_config, world, device, fsdp)
@@ -367,6 +381,8 @@ def setup(cfg: RecipeConfig) -> Run:
         use_prefix_preserving_template(tokenizer, tools, cfg.data.chat_template_kwargs, cfg.model.name_or_path)
         resolve_parser(cfg.tool_calling.parser, tokenizer)  # after: it reads the template that is used
     problems = tokenize_prompts(cfg, tokenizer, problems, tools=tools)
+    if environment is not None:  # a reset that cannot take a row's columns (its prompt among them) and the seed
+        check_reset_arguments(environment, problems[0])
     random.Random(cfg.seed).shuffle(problems)
     eval_problems = held_out_problems(cfg, tokenizer, problems, tools)
 
@@ -374,7 +390,16 @@ def setup(cfg: RecipeConfig) -> Run:
     updates_per_rollout = cfg.steps_per_generation * cfg.num_iterations
     num_rollout_steps = math.ceil(cfg.max_steps / updates_per_rollout)  # max_steps counts optimizer steps, as in TRL
     optimizer, scheduler = build_optimizer(cfg, model, total_updates=num_rollout_steps * updates_per_rollout)
-    if tools:  # multi-turn episodes, every tool response rendered with the prompt's template arguments
+    if environment is not None:  # one instance per episode, its methods the tools (grpo/episodes/environments.py)
+        engine = EnvironmentEngine(
+            start_engine(),
+            tokenizer,
+            environment,
+            cfg,
+            lambda row, observation: render_prompt(cfg, tokenizer, row[USER_TEXT] + observation, tools)[1],
+            cfg.data.chat_template_kwargs,
+        )
+    elif tools:  # multi-turn episodes, every tool response rendered with the prompt's template arguments
         engine = ToolEngine(start_engine(), tokenizer, tools, cfg, cfg.data.chat_template_kwargs)
     elif agent:  # an agent's sessions through the OpenAI endpoint, one episode each
         engine = AgentEngine(
@@ -423,7 +448,11 @@ def rollout_queue(
     """The queue of this rank's rollout requests (`grpo.engines.rollout_queue`), max_staleness steps ahead."""
     return RolloutQueue(
         engine,
-        lambda step: [row["prompt_ids"] for row in rollout_rows(problems, cfg.prompts_per_rank, rank, world, step)],
+        # an environment's engine takes the rows themselves: each reset gets its row
+        lambda step: [
+            row if getattr(engine, "takes_rows", False) else row["prompt_ids"]
+            for row in rollout_rows(problems, cfg.prompts_per_rank, rank, world, step)
+        ],
         rollout_sampling(cfg),
         cfg.max_staleness,
         num_rollout_steps,

@@ -68,12 +68,13 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.checkpointing import checkpoint_path, rng_state, save_adapter, save_checkpoint, set_rng_state
-from grpo.data import group_advantages, make_batch, score, select
+from grpo.data import group_advantages, make_batch, score, select, token_advantages, turn_advantages, turn_returns
 from grpo.engines.interface import RolloutAbandoned, rollout_in_progress
 from grpo.engines.server import ServerError
+from grpo.episodes.environments import EnvironmentFailing
 from grpo.episodes.metrics import tool_stats
 from grpo.episodes.tool_watch import ToolUseWatch
-from grpo.faults import StopRequest, stop_if_nonfinite
+from grpo.faults import StopRequest, stop_if_environment_failing, stop_if_nonfinite
 from grpo.loss import accumulate_stats, grpo_loss, high_entropy_mask, vllm_importance_sampling_ratio
 from grpo.metrics import (
     fidelity_totals,
@@ -136,23 +137,58 @@ def rollout(run: Run, rollout_step: int):
 
 
 def rewards_and_advantages(run: Run, rows, samples, rollout_step: int):
-    """3. Score the completions (a NaN/inf reward stops the run) -> (rewards [N], advantages [N])."""
+    """3. Score the completions (a NaN/inf reward stops the run) -> (rewards [N], advantages: [N], or with
+    advantage=turn each episode's list of per-turn advantages). Environment episodes: an episode's reward includes
+    its step rewards; a failed one's is NaN (never scored) and it is in no baseline."""
     cfg = run.cfg
-    rewards, returned = score(run.reward_funcs, rows, samples)
+    failed = torch.tensor([s.env_failure is not None for s in samples])
+    rewards, returned = score_episodes(run, rows, samples, failed)
     stop_if_nonfinite(f"rollout step {rollout_step}, rewards", returned, run.last_checkpoint)
     truncated = torch.tensor([s.truncated for s in samples])
     if cfg.tool_calling.overflow_reward is not None:  # the episodes the budget ended (set only with tools)
         rewards[truncated] = cfg.tool_calling.overflow_reward
     excluded = truncated if cfg.tool_calling.baseline_excludes_truncated else None
-    return rewards, group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, excluded)
+    if bool(failed.any()):  # the environment failed, not the policy: in no baseline, advantage 0, no loss
+        excluded = failed if excluded is None else excluded | failed
+    outcomes = torch.where(failed, 0.0, rewards) if bool(failed.any()) else rewards  # NaN only where one failed
+    if cfg.advantage == "turn":
+        steps = [s.turn_rewards or [0.0] * max(s.turn_of_token, default=0) for s in samples]
+        returns = [turn_returns(step, float(outcome), cfg.gamma) for step, outcome in zip(steps, outcomes)]
+        advantages = turn_advantages(returns, cfg.num_generations, cfg.scale_rewards, excluded)
+    if samples and samples[0].turn_rewards is not None:  # an environment's step rewards: the episode's too
+        rewards = rewards + torch.tensor([sum(s.turn_rewards) for s in samples])
+    if cfg.advantage == "episode":
+        scored = torch.where(failed, 0.0, rewards) if bool(failed.any()) else rewards
+        advantages = group_advantages(scored, cfg.num_generations, cfg.scale_rewards, excluded)
+    return rewards, advantages
 
 
-def training_batch(run: Run, samples, advantages: torch.Tensor) -> dict:
-    """The padded batch of this rank's completions with their advantages; truncated ones masked out if asked."""
+def score_episodes(run: Run, rows, samples, failed: torch.Tensor):
+    """`score` of the samples whose environment did not fail (every sample without environments); NaN for the
+    others."""
+    if not bool(failed.any()):
+        return score(run.reward_funcs, rows, samples)
+    live = [s for s, bad in zip(samples, failed) if not bad]
+    rewards, returned = torch.full((len(samples),), torch.nan), {}
+    if live:
+        rewards[~failed], returned = score(run.reward_funcs, rows, live)
+    return rewards, returned
+
+
+def training_batch(run: Run, samples, advantages) -> dict:
+    """The padded batch of this rank's completions with their advantages ([N], or [N, R] per token with
+    advantage=turn: each model token its turn's); truncated ones masked out if asked, failed environment episodes
+    always."""
     batch = make_batch(samples, run.pad_id, run.device)
-    batch["advantages"] = advantages.to(run.device)
+    if isinstance(advantages, torch.Tensor):
+        batch["advantages"] = advantages.to(run.device)
+    else:
+        batch["advantages"] = token_advantages(advantages, batch["turn_of_token"])
     if run.cfg.mask_truncated_completions:
         batch["response_mask"] = batch["response_mask"] * (~batch["truncated"])[:, None]
+    failed = torch.tensor([s.env_failure is not None for s in samples], device=run.device)
+    if bool(failed.any()):
+        batch["response_mask"] = batch["response_mask"] * (~failed)[:, None]
     return batch
 
 
@@ -289,7 +325,11 @@ def update(run: Run, batch: dict, rollout_step: int) -> dict:
 def update_phase(run: Run, rows: list[dict], samples: list, rollout_step: int) -> tuple:
     """3-5. Rewards, the training batch and its old log-probs; the log-prob guard judges them (a collective) before
     the update may change the weights. Returns (rewards, batch, update statistics, the phase's seconds)."""
-    rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
+    try:
+        rewards, advantages = rewards_and_advantages(run, rows, samples, rollout_step)
+    finally:  # environment episodes end once scored (or when scoring fails): every instance released
+        release_environments(run, samples)
+    stop_if_environment_failing(run.engine, run.cfg.tool_calling.max_consecutive_failures, run.last_checkpoint)
     t0 = time.perf_counter()
     batch = training_batch(run, samples, advantages)
     old_log_probs(run, batch, rollout_step)
@@ -297,6 +337,11 @@ def update_phase(run: Run, rows: list[dict], samples: list, rollout_step: int) -
         run.guard.check(rollout_step, fidelity_totals(batch))
     update_stats = update(run, batch, rollout_step)
     return rewards, batch, update_stats, time.perf_counter() - t0
+
+
+def release_environments(run: Run, samples) -> None:
+    if hasattr(run.engine, "release"):
+        run.engine.release(samples)
 
 
 def log_metrics(run: Run, rollout_step: int, rewards, batch, phases: dict, update_stats: dict, t_step: float) -> dict:
@@ -336,9 +381,15 @@ def evaluate(run: Run, rollout_steps_done: int) -> dict:
         ),
     }
     sums = {"problems": len(rows)}
+    takes_rows = getattr(run.engine, "takes_rows", False)  # an environment's episodes: reset gets the row
     for mode, sampling in modes.items():
-        samples = run.engine.generate([r["prompt_ids"] for r in rows], sampling) if rows else []
-        rewards = score(run.reward_funcs, rows, samples)[0] if rows else torch.zeros(0)
+        prompts = rows if takes_rows else [r["prompt_ids"] for r in rows]
+        samples = run.engine.generate(prompts, sampling) if rows else []
+        failed = torch.tensor([s.env_failure is not None for s in samples], dtype=torch.bool)
+        try:  # a failed environment episode counts as unsolved (NaN, summed as 0)
+            rewards = score_episodes(run, rows, samples, failed)[0] if rows else torch.zeros(0)
+        finally:
+            release_environments(run, samples)
         sums[f"{mode}_reward_sum"] = rewards.nansum().item()
         sums[f"{mode}_tokens"] = sum(len(s.completion_ids) for s in samples)
         if run.cfg.tools:  # episodes that called a tool, and that got at least one result back
@@ -451,7 +502,11 @@ def main(cfg: RecipeConfig) -> None:
             break
 
         with run.timeline.span("update"):
-            rewards, batch, update_stats, phases["update_s"] = update_phase(run, rows, samples, rollout_step)
+            try:
+                rewards, batch, update_stats, phases["update_s"] = update_phase(run, rows, samples, rollout_step)
+            except EnvironmentFailing as err:  # one line; the checkpoints are the last good steps'
+                run.engine.close()
+                exit_with_line(err, 1)
 
         metrics = log_metrics(run, rollout_step, rewards, batch, phases, update_stats, t_step)
         run.timeline.write(rollout_step, run.rollouts.answered, run.rank)

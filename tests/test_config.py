@@ -23,8 +23,9 @@ def test_top_level_fields_are_trl_grpo_config_names():
     trl_names = {f.name for f in dataclasses.fields(trl.GRPOConfig)} | {"max_staleness"}
     assert "max_staleness" in {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     sections = {"model", "data", "lora", "vllm", "padding", "tool_calling"}
-    trainer_arguments = {"reward_funcs", "tools"}  # GRPOTrainer's arguments
+    trainer_arguments = {"reward_funcs", "tools", "environment_factory"}  # GRPOTrainer's arguments
     own = {"agent"}  # an agent on an OpenAI endpoint: TRL's nearest, rollout_func, returns the ids itself
+    own |= {"advantage", "gamma"}  # turn-level credit: TRL gives one advantage per episode
     ours = {f.name for f in dataclasses.fields(RecipeConfig)} - sections - trainer_arguments - own
     assert ours <= trl_names, ours - trl_names
 
@@ -145,6 +146,9 @@ BAD_VALUES = {
     "reward_funcs": "[no_colon]",
     "tools": "[no_colon]",
     "agent": "no_colon",
+    "environment_factory": "no_colon",
+    "advantage": "step",
+    "gamma": "1.5",
     "max_tool_calling_iterations": "0",
     "model.name_or_path": '""',
     "model.dtype": "float64",
@@ -192,6 +196,7 @@ BAD_VALUES = {
     "padding.legacy_slice": "maybe",
     "padding.logprob_chunk_size": "0",
     "tool_calling.timeout_s": "0",
+    "tool_calling.max_consecutive_failures": "0",
     "tool_calling.agent_timeout_s": "0",
     "tool_calling.max_output_chars": "0",
     "tool_calling.retokenize": "maybe",

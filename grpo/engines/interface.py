@@ -34,6 +34,10 @@ class Sample:
     reward: float | None = None
     agent_error: bool = False  # the agent raised, hung or returned no reward: the episode scores 0.0
     agent_refusals: int = 0  # its requests refused for a rewritten history
+    # an environment's episode (grpo.episodes.environments): its instance, what it gave each model turn, its failure
+    environment: object = None
+    turn_rewards: list[float] | None = None  # the step rewards of each model turn's calls (0.0 where none)
+    env_failure: str | None = None  # its reset or a step raised or hung: left out of the baseline and the loss
 
 
 class EngineStateError(RuntimeError):

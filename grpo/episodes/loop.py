@@ -55,6 +55,9 @@ class Episode:
     tool_failures: int = 0
     tool_malformed: int = 0  # calls the parser could not read (each also a failed call)
     truncated: bool = False
+    caller: ToolCaller | None = None  # an environment's episode: the caller of its own instance's methods
+    turn_rewards: list[float] = field(default_factory=list)  # an environment's step rewards, per model turn
+    env_failure: str | None = None  # its environment's reset or a step raised or hung
 
     def add_turn(self, sample: Sample, calls: list, ended: bool) -> None:
         turn = len(self.turns) + 1
@@ -65,6 +68,7 @@ class Episode:
         if sample.versions is not None:
             self.versions = (self.versions or []) + sample.versions
         self.turns.append((sample.completion_ids, calls, ended))
+        self.turn_rewards.append(0.0)
         self.truncated = sample.truncated
 
     def add_tool_tokens(self, ids: list[int]) -> None:
@@ -162,13 +166,15 @@ class ToolEngine:
         return self.engine.receive(pending)
 
     def _turn_by_turn(
-        self, prompt_ids, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list
+        self, prompt_ids, sampling, seeds: list[int] | None, use_tqdm: bool, turns: list, callers: list | None = None
     ) -> list[Episode]:
-        """Each turn waits for every episode of the rollout, then goes out as one batch."""
+        """Each turn waits for every episode of the rollout, then goes out as one batch. ``callers``: each prompt's
+        own (an environment's episodes, one per prompt)."""
         episodes, continuing = [], []
         first = self._first_turns(prompt_ids, sampling)
         for sample in self._generate(prompt_ids, first, seeds, use_tqdm, turns, list(range(len(prompt_ids)))):
-            episodes.append(Episode(sample.prompt_ids, sample.prompt_index, number=len(episodes)))
+            caller = callers[sample.prompt_index] if callers else None
+            episodes.append(Episode(sample.prompt_ids, sample.prompt_index, number=len(episodes), caller=caller))
             if self._after_turn(episodes[-1], sample):
                 continuing.append(episodes[-1])
         rounds = 1
@@ -187,7 +193,9 @@ class ToolEngine:
             rounds += 1
         return episodes
 
-    def _independently(self, prompt_ids, sampling, seeds: list[int], use_tqdm: bool, turns: list) -> list[Episode]:
+    def _independently(
+        self, prompt_ids, sampling, seeds: list[int], use_tqdm: bool, turns: list, callers: list | None = None
+    ) -> list[Episode]:
         """Each episode on a thread of its own: its next turn is sent as soon as its own tools return, whatever the
         other episodes are doing (the tools of at most `tool_calling.max_concurrent` episodes run at once)."""
         first = self._first_turns(prompt_ids, sampling)
@@ -206,7 +214,8 @@ class ToolEngine:
 
         def episode(index: int, j: int, sample: Sample) -> None:
             number = index * sampling.n + j
-            one = episodes[number] = Episode(prompt_ids[index], index, number=number)
+            caller = callers[index] if callers else None
+            one = episodes[number] = Episode(prompt_ids[index], index, number=number, caller=caller)
             going, rounds = self._after_turn(one, sample), 1
             while going and (self.max_iterations is None or rounds <= self.max_iterations):
                 if not self._append_tool_results(one):
@@ -265,7 +274,7 @@ class ToolEngine:
         another turn (`_room`)."""
         _, calls, _ = episode.turns[-1]
         with self.tool_slots:
-            results = self.caller.run(calls)
+            results = (episode.caller or self.caller).run(calls)
         messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in results]
         with self.tokenizing:
             suffix = self.renderer.tool_suffix_ids(messages)

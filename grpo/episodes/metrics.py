@@ -10,11 +10,19 @@ from grpo.engines.interface import Sample
 
 
 def tool_stats(samples: list[Sample], agent: bool = False) -> dict[str, float]:
-    """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name); an ``agent``'s
-    episodes (grpo.episodes.agent) add their errors and refused requests."""
+    """This rank's sums for the tool metrics of a rollout step (reduced across ranks by name); environments' episodes
+    (environment_factory) add their failures and step rewards, an ``agent``'s (grpo.episodes.agent) its errors and
+    refused requests."""
     if not samples or samples[0].tool_mask is None:
         return {}
+    environments = {}
+    if samples[0].turn_rewards is not None:  # environment_factory
+        environments = dict(
+            env_failures=float(sum(s.env_failure is not None for s in samples)),
+            env_step_reward=float(sum(sum(s.turn_rewards) for s in samples)),
+        )
     stats = dict(
+        **environments,
         tool_episodes=float(len(samples)),
         tool_calls=float(sum(s.tool_calls for s in samples)),
         tool_failures=float(sum(s.tool_failures for s in samples)),

@@ -84,6 +84,10 @@ class ToolCaller:
             raise
         except BaseException as err:  # noqa: BLE001 - a tool's own error (raised in its thread) is the model's result
             return name, error_result(f"{type(err).__name__}: {err}"), True
+        return self._text(name, value)
+
+    def _text(self, name: str, value) -> tuple[str, str, bool]:
+        """A tool's value as its call's result: a string within the cap, else an error result."""
         if not isinstance(value, str):
             return name, error_result(f"tool {name!r} returned {type(value).__name__}, not str"), True
         if len(value) > self.max_output_chars:
@@ -92,14 +96,24 @@ class ToolCaller:
         return name, value, False
 
     def _invoke(self, call: dict | str):
+        tool, arguments = self._resolve(call)
+        return run_to_result(tool(**arguments))
+
+    def _resolve(self, call: dict | str) -> tuple[Callable, dict]:
+        """The tool a call names and its arguments typed as the tool declares them; a malformed call or an unknown
+        name raises ValueError (the model's error result)."""
         if isinstance(call, str):
             raise ValueError(call)
         if call["name"] not in self.tools:
             raise ValueError(f"tool {call['name']!r} not found; the tools are {sorted(self.tools)}")
         tool = self.tools[call["name"]]
-        value = tool(**typed_arguments(tool, call["arguments"]))
-        # an `async def` tool runs to its end here, on the call's own thread and event loop, within the timeout
-        return asyncio.run(value) if inspect.iscoroutine(value) else value
+        return tool, typed_arguments(tool, call["arguments"])
+
+
+def run_to_result(value):
+    """An `async def` tool's coroutine run to its end here, on the call's own thread and event loop, within the
+    timeout; any other value as it is."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
 def error_result(message: str) -> str:
