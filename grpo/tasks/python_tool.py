@@ -4,7 +4,9 @@
 
 The model's code is untrusted. It runs in a child process (``python -I``: no user site, no PYTHON* variables, the
 working directory not on sys.path) in a temporary directory of its own, removed afterwards, with the kernel's limits
-set before it starts (`LIMITS`):
+set before it starts (`LIMITS`) by a small launcher interpreter that then executes it (not by a ``preexec_fn``
+in the trainer's own fork: that runs in a copy of the trainer's address space, gigabytes with vLLM loaded, where
+any allocation after the memory limit fails, and Python warns it can deadlock in a process with threads):
 - CPU time (RLIMIT_CPU): SIGXCPU at the limit, SIGKILL a second later;
 - memory (RLIMIT_AS, its address space): an allocation past it fails (MemoryError);
 - output (RLIMIT_FSIZE): stdout and stderr go to one file in its directory, and a write past the limit fails
@@ -23,10 +25,8 @@ first and its process is killed rather than abandoned.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -50,26 +50,35 @@ class SandboxLimits:
 LIMITS = SandboxLimits()
 
 
+# Run by a fresh `python -I -c`: the limits (argv: CPU s, memory bytes, output bytes), the namespaces where asked
+# (argv: 1), the memory limit last (it bounds this small interpreter too), then the program in its place.
+LAUNCHER = f"""
+import ctypes, os, resource, sys
+cpu, memory, output, isolate = (int(value) for value in sys.argv[1:5])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+if isolate and ctypes.CDLL(None, use_errno=True).unshare({CLONE_NEWUSER | CLONE_NEWNET}) != 0:
+    sys.exit("unshare(CLONE_NEWUSER | CLONE_NEWNET) refused: errno " + str(ctypes.get_errno()))
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+os.execv(sys.executable, [sys.executable, "-I", *sys.argv[5:]])
+"""
+
+
+def _launch_command(limits: SandboxLimits, isolate: bool, *program: str) -> list[str]:
+    memory = limits.memory_mb * 2**20
+    numbers = (limits.cpu_s, memory, limits.output_bytes, int(isolate))
+    return [sys.executable, "-I", "-c", LAUNCHER, *map(str, numbers), *program]
+
+
 def _network_isolation_works() -> bool:
     """Whether this machine lets an unprivileged process take a network namespace of its own (tried once)."""
+    probe = "import socket; print(len(socket.if_nameindex()))"
     try:
-        probe = subprocess.run(
-            [sys.executable, "-I", "-c", "import socket; print(len(socket.if_nameindex()))"],
-            preexec_fn=_isolate_network,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        done = subprocess.run(_launch_command(LIMITS, True, "-c", probe), capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
-    return probe.returncode == 0 and probe.stdout.strip() == "1"  # lo alone
-
-
-def _isolate_network() -> None:
-    """In the child, before exec: a user and a network namespace of its own (fails quietly where not allowed)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER | CLONE_NEWNET) refused")
+    return done.returncode == 0 and done.stdout.strip() == "1"  # lo alone
 
 
 NETWORK_ISOLATED = _network_isolation_works()
@@ -113,25 +122,15 @@ def run_python(code: str, limits: SandboxLimits) -> str:
 def _run(workdir: str, output, limits: SandboxLimits) -> int | None:
     """The child's exit status (negative: the signal that ended it), None when the wall-time limit killed it."""
 
-    def in_child() -> None:
-        os.setsid()  # its own process group: a timeout kills whatever it started too
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        memory = limits.memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if NETWORK_ISOLATED:
-            _isolate_network()
-
     env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
     process = subprocess.Popen(
-        [sys.executable, "-I", "main.py"],
+        _launch_command(limits, NETWORK_ISOLATED, "main.py"),
         cwd=workdir,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=output,
         stderr=subprocess.STDOUT,
-        preexec_fn=in_child,
+        start_new_session=True,  # its own process group: a timeout kills whatever it started too
         close_fds=True,
     )
     try:
