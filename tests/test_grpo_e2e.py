@@ -90,12 +90,13 @@ def check_eval_and_tensorboard(tmp_path, metrics):
     assert [e.step for e in events.Scalars("eval_reward_greedy")] == [0, 4, 6]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_skipped_sync_is_caught_by_the_default_guard(tmp_path, tiny_model, dtype):
     """With the sync disabled, vLLM keeps serving stale weights: the log-prob guard, at its default for the dtype,
-    stops the run within a few rollout steps at a learning rate the embedded default trains with. The tightest
-    default (fp32) and the loosest (bf16, 2e-2): fp16's (2e-3) lies between, and its synced runs' figures stay under
-    a quarter of it (test_half_precision_trains_fp32_adapters_with_the_guard_armed, tests/test_reliability.py)."""
+    stops the run within a few rollout steps at a learning rate the embedded default trains with. Run at the loosest
+    default (bf16, 2e-2): the same stale weights exceed every tighter one (fp16's 2e-3, fp32's 1e-4), whose synced
+    runs' figures stay under a quarter of them (every fp32 run here is held to 1e-6;
+    test_half_precision_trains_fp32_adapters_with_the_guard_armed for fp16)."""
     proc, metrics = launch(
         tmp_path, tiny_model, "vllm.sync=false", "learning_rate=1e-3", f"model.dtype={dtype}", "max_steps=12"
     )
