@@ -44,6 +44,7 @@ TOOLS = [lookup]
 KEY_PIECES = r"\d+|[A-Z]|[^\dA-Z\n]*\n|[^\dA-Z\n]+"
 LONGEST_CHAIN = 99  # hops the counts of the warm-up reach: 100 model turns
 TOKENIZER_TEXTS = 4000
+MAX_POSITIONS = 4096  # 100 turns of about 26 tokens each, and the prompt
 MEASURED_HOPS = 15  # the build's held-out figures: chains of 15 hops, 16 turns (recipes/configs/tiny_cpu_long.yaml)
 
 
@@ -159,7 +160,7 @@ def build_key_chain_model(
         model = new_model(
             "tiny",
             vocab_size=(len(tokenizer) + 63) // 64 * 64,
-            max_position_embeddings=4096,
+            max_position_embeddings=MAX_POSITIONS,
             tie_word_embeddings=True,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
