@@ -61,8 +61,8 @@ class ModelSettings:
     build_tiny: str | None = setting(
         None,
         "build the embedded default of this size into name_or_path if absent (tiny-tools: the tool-use task's "
-        "model, grpo/tasks/tiny_tools.py)",
-        choices=("tiny", "small", "tiny-moe", "tiny-tools"),
+        "model, grpo/tasks/tiny_tools.py; tiny-key-chain: the key-chain task's, grpo/tasks/tiny_key_chain.py)",
+        choices=("tiny", "small", "tiny-moe", "tiny-tools", "tiny-key-chain"),
     )
     build_seed: int = setting(0, "seed of the embedded default's build", range=">= 0")
 

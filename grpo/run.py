@@ -179,12 +179,15 @@ def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
     if cfg.model.build_tiny:
         from grpo.tasks.tiny_gsm8k import build_tiny_model
+        from grpo.tasks.tiny_key_chain import build_key_chain_model
         from grpo.tasks.tiny_tools import build_tool_model
 
         # rank 0 builds; the others wait for its files rather than in a collective, whose timeout (30 min on gloo) a
         # build on a loaded machine can outlast (should rank 0 fail, the launcher ends them)
         if cfg.model.build_tiny == "tiny-tools":
             build_tool_model(cfg.model.name_or_path, seed=cfg.model.build_seed, build=rank == 0)
+        elif cfg.model.build_tiny == "tiny-key-chain":
+            build_key_chain_model(cfg.model.name_or_path, seed=cfg.model.build_seed, build=rank == 0)
         else:
             size = cfg.model.build_tiny
             build_tiny_model(cfg.model.name_or_path, size=size, seed=cfg.model.build_seed, build=rank == 0)

@@ -83,6 +83,9 @@ kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_tools.yaml --output_dir results
 # the same task run by an agent that owns its loop, through the OpenAI-compatible endpoint (docs/agents.md)
 "${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_agent.yaml output_dir=results
+# long episodes: the key-chain task's model at its default arguments, its build figures kept (docs/tools.md)
+.venv/bin/python -m grpo.tasks.tiny_key_chain --out cache/tiny-qwen3-key-chain --from-scratch
+cp cache/tiny-qwen3-key-chain/build_info.json results/tiny_key_chain_build_info.json
 .venv/bin/python recipes/plot_tools.py results/tiny-cpu-tools results/tiny-cpu-tools-retokenized \
     results/tiny-cpu-tools-server results/tiny-cpu-tools-server-async{1,2} --out results/grpo_tools.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
@@ -116,5 +119,7 @@ kill $server; wait $server || true
 # multi-turn rollouts with the server's prefix cache on and off (docs/tools.md)
 .venv/bin/python bench/bench_tool_cache.py --out results/bench_tool_cache.json
 .venv/bin/python bench/bench_tool_schedule.py --out results/bench_tool_schedule.json
+# exact at length: per-turn |vLLM - trainer| and sequence-level weights of key-chain episodes of 16 to 100 turns
+.venv/bin/python bench/bench_long_fidelity.py --out results/bench_long_fidelity.json
 # what seeding every request costs vLLM's V1 sampler (docs/gpus.md)
 .venv/bin/python bench/bench_seeding.py --out results/bench_seeding.json

@@ -58,3 +58,37 @@ def test_the_hop_reward_credits_each_hop_made_in_order_and_the_answer_reward_onl
     hops = key_chain_hop_reward(completions, chain=[chain] * 3)
     answers = key_chain_answer_reward(completions, answer=[row["answer"]] * 3)
     assert hops == [1.0, 0.5, 0.25] and answers == [1.0, 0.0, 1.0]
+
+
+def test_the_long_config_fits_16_turns_and_the_model_100():
+    """recipes/configs/tiny_cpu_long.yaml asks for 16 turns (15 lookups, then the answer) of the key-chain model.
+    With the builder's tokenizer (trained on its warm-up's conversations) and chat template, a whole 15-hop episode's
+    prompt fits data.max_prompt_length and the rest max_completion_length; a 99-hop one (100 turns) fits the model's
+    4096 positions; a key is four tokens, whatever its letters."""
+    from grpo.tasks.tiny_key_chain import (
+        KEY_PIECES,
+        MAX_POSITIONS,
+        TOOLS,
+        key_chain_conversation,
+        render,
+        warmup_conversations,
+    )
+    from grpo.tasks.tiny_tools import build_tool_tokenizer
+
+    cfg = load_config("recipes/configs/tiny_cpu_long.yaml")
+    assert cfg.data.name == "generated-key-chain" and cfg.model.build_tiny == "tiny-key-chain"
+    assert cfg.max_tool_calling_iterations == cfg.data.key_chain_hops and cfg.data.key_chain_hops + 1 >= 16
+    texts = render(warmup_conversations(400, 1, 12, 0.25, 8, 0.3), tools=TOOLS)
+    tokenizer = build_tool_tokenizer(texts, pieces=KEY_PIECES)
+
+    def lengths(hops: int) -> tuple[int, int]:
+        conversation = key_chain_conversation(make_key_chain_problems(1, hops=hops, seed=5)[0])
+        prompt = tokenizer.apply_chat_template(conversation[:1], tools=TOOLS, add_generation_prompt=True)["input_ids"]
+        whole = tokenizer.apply_chat_template(conversation, tools=TOOLS)["input_ids"]
+        return len(prompt), len(whole) - len(prompt)
+
+    prompt, completion = lengths(cfg.data.key_chain_hops)
+    assert prompt <= cfg.data.max_prompt_length and completion <= cfg.max_completion_length, (prompt, completion)
+    assert sum(lengths(99)) <= MAX_POSITIONS
+    for key in ("QXRB", "AAAA", "ZQZQ"):
+        assert len(tokenizer(key, add_special_tokens=False).input_ids) == 4

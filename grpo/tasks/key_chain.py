@@ -7,7 +7,7 @@
 Every key names the next one (`next_key`, a hash: no table, the same in every process), so an episode needs one
 ``lookup`` call per hop, one turn each: k hops are k + 1 model turns. A problem's row holds its question, its
 answer (``#### <the key after k hops>``) and its chain (the start key and each key after it), which the per-hop reward
-reads. No model is built for it here.
+reads. Its model: `grpo.tasks.tiny_key_chain`.
 """
 
 from __future__ import annotations

@@ -151,18 +151,22 @@ def tool_conversation(problem: dict, call_tool: bool) -> list[dict]:
     ]
 
 
-def render(conversations: list[list[dict]], add_generation_prompt: bool = False) -> list[str]:
-    """``conversations`` rendered by ``CHAT_TEMPLATE`` with the calculator listed (no tokenizer needed)."""
+def render(conversations: list[list[dict]], add_generation_prompt: bool = False, tools: list = TOOLS) -> list[str]:
+    """``conversations`` rendered by ``CHAT_TEMPLATE`` with ``tools`` listed (the calculator; no tokenizer needed)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     texts, _ = render_jinja_template(
-        conversations, tools=TOOLS, chat_template=CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt
+        conversations, tools=tools, chat_template=CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt
     )
     return texts
 
 
 # ----------------------------------------------------------------------------- tokenizer
-def build_tool_tokenizer(texts: list[str], vocab_size: int = 768):
+# The pre-tokenizer's pieces: a run of digits, text up to and including a newline, other text.
+TOOL_PIECES = r"\d+|[^\d\n]*\n|[^\d\n]+"
+
+
+def build_tool_tokenizer(texts: list[str], vocab_size: int = 768, pieces: str = TOOL_PIECES):
     """A byte-level BPE of ``vocab_size`` tokens trained on ``texts``, with Qwen3's special and tool tokens.
 
     Unlike Qwen's pre-tokenizer, which splits numbers into single digits, this one lets a run of digits merge (so
@@ -172,6 +176,7 @@ def build_tool_tokenizer(texts: list[str], vocab_size: int = 768):
     At 768 tokens the fixed text takes most merges and the rest make every two-digit run one token (a larger
     vocabulary merges whole products, a smaller one leaves the digits single).
     ``<|im_end|>`` is the eos, ``<|endoftext|>`` the pad; left padding, ``CHAT_TEMPLATE`` as chat template.
+    ``pieces``: the pre-tokenizer's split, a regex whose matches no merge crosses (``TOOL_PIECES``).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -179,7 +184,7 @@ def build_tool_tokenizer(texts: list[str], vocab_size: int = 768):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(r"\d+|[^\d\n]*\n|[^\d\n]+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pieces), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -309,17 +314,26 @@ def _length_batches(rows: list[list[int]], steps: int, batch_size: int, window: 
 
 
 def _warm_up(
-    model, tokenizer, conversations: list[list[dict]], *, steps: int, batch_size: int, lr: float, prefix_only=False
+    model,
+    tokenizer,
+    conversations: list[list[dict]],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    tools: list = TOOLS,
+    prefix_only=False,
 ):
     """The supervised warm-up: AdamW (one-cycle schedule) on what the assistant writes in ``conversations`` (its
     content, tool calls and ``<|im_end|>``; not the system, user or tool tokens). Every token weighs the same in
     every batch (the loss is a sum over a batch divided by the mean tokens per batch), so batches of direct answers
-    do not outweigh batches of tool calls. Returns the mean loss per token over the last tenth of the steps and the
-    `prefix_record` after PREFIX_STEPS steps (its loss per token of that step); ``prefix_only`` stops there."""
+    do not outweigh batches of tool calls. ``tools``: those the conversations list (the calculator). Returns the
+    mean loss per token over the last tenth of the steps and the `prefix_record` after PREFIX_STEPS steps (its loss
+    per token of that step); ``prefix_only`` stops there."""
     from tqdm.auto import tqdm
 
     encoded = tokenizer.apply_chat_template(
-        conversations, tools=TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        conversations, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     batches = _length_batches(encoded["input_ids"], steps, batch_size)
     tokens_per_batch = sum(sum(encoded["assistant_masks"][r]) for rows in batches for r in rows) / len(batches)
