@@ -84,8 +84,9 @@ def test_a_sparse_turn_group_with_one_outlying_token_does_not_stop_a_healthy_run
 
 
 def recipe_run(cfg) -> SimpleNamespace:
-    """The parts of a `grpo.run.Run` that the recipe's update phase reads, around a guard of ``cfg``."""
-    return SimpleNamespace(cfg=cfg, guard=LogprobGuard(cfg))
+    """The parts of a `grpo.run.Run` that the recipe's update phase reads, around a guard of ``cfg`` (an engine
+    without environments: nothing to release, no failure streak)."""
+    return SimpleNamespace(cfg=cfg, guard=LogprobGuard(cfg), engine=SimpleNamespace(), last_checkpoint=None)
 
 
 @pytest.fixture
