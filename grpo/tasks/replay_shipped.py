@@ -18,9 +18,11 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from grpo.provenance import cpu_kind, package_versions
 from grpo.tasks import tiny_gsm8k, tiny_tools
-from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS
+from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS, all_cores
 
 BUILDERS = {"tiny-qwen3-gsm8k": tiny_gsm8k, "tiny-qwen3-tools": tiny_tools}
 
@@ -32,7 +34,16 @@ def replay(name: str) -> dict:
     folder = SHIPPED_MODELS / name
     args = json.loads((folder / "build_info.json").read_text())["args"]
     module = BUILDERS[name]
-    return dict(warm_up_prefix=module.replay_warm_up_prefix(args), figures=module.held_out_figures(folder))
+    return dict(warm_up_prefix=module.replay_warm_up_prefix(args), figures=held_out_figures(module, folder, args))
+
+
+def held_out_figures(module, folder: Path, args: dict) -> dict:
+    """The held-out figures ``module``'s build records, measured again on the weights saved in ``folder``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with all_cores():
+        return module.held_out_figures(model, AutoTokenizer.from_pretrained(folder), args)
 
 
 if __name__ == "__main__":

@@ -325,7 +325,8 @@ def _initial_state(args: dict):
     return model, tokenizer, with_slips(problems, args["slip_rate"], seed=args["seed"] + 3)
 
 
-def _held_out_figures(model, tokenizer, args: dict) -> dict:
+def held_out_figures(model, tokenizer, args: dict) -> dict:
+    """The held-out figures a build of ``args`` records, measured on ``model``."""
     held_out = make_problems(128, seed=args["seed"] + 2)
     return dict(
         greedy_accuracy=measure_accuracy(model, tokenizer, held_out, greedy=True),
@@ -342,16 +343,6 @@ def replay_warm_up_prefix(args: dict) -> dict:
             model, tokenizer, train, steps=steps, batch_size=batch_size, lr=lr, size=args["size"], prefix_only=True
         )
         return prefix
-
-
-def held_out_figures(folder: str | Path) -> dict:
-    """The held-out figures of the build saved in ``folder``, measured again on its saved weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    args = json.loads((Path(folder) / "build_info.json").read_text())["args"]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with all_cores():
-        return _held_out_figures(model, AutoTokenizer.from_pretrained(folder), args)
 
 
 def build_tiny_model(
@@ -392,7 +383,7 @@ def build_tiny_model(
             model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate, size=size
         )
         figures = dict(parameters=sum(p.numel() for p in model.parameters()), final_loss=loss.item())
-        return model, tokenizer, dict(figures, **_held_out_figures(model, tokenizer, args), warm_up_prefix=prefix)
+        return model, tokenizer, dict(figures, **held_out_figures(model, tokenizer, args), warm_up_prefix=prefix)
 
     return cached_build(out_dir, args, build, make, from_scratch)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -391,7 +390,8 @@ def _initial_state(args: dict):
     return model, tokenizer, train
 
 
-def _held_out_figures(model, tokenizer, args: dict) -> dict:
+def held_out_figures(model, tokenizer, args: dict) -> dict:
+    """The held-out figures a build of ``args`` records, measured on ``model``."""
     held_out = make_tool_problems(128, seed=args["seed"] + 2)
     sampled = measure_tool_episodes(model, tokenizer, held_out, greedy=False, seed=args["seed"])
     greedy = measure_tool_episodes(model, tokenizer, held_out, greedy=True)
@@ -412,16 +412,6 @@ def replay_warm_up_prefix(args: dict) -> dict:
         model, tokenizer, train = _initial_state(args)
         steps, batch_size, lr = args["warmup_steps"], args["batch_size"], args["learning_rate"]
         return _warm_up(model, tokenizer, train, steps=steps, batch_size=batch_size, lr=lr, prefix_only=True)[1]
-
-
-def held_out_figures(folder: str | Path) -> dict:
-    """The held-out figures of the build saved in ``folder``, measured again on its saved weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    args = json.loads((Path(folder) / "build_info.json").read_text())["args"]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with all_cores():
-        return _held_out_figures(model, AutoTokenizer.from_pretrained(folder), args)
 
 
 def build_tool_model(
@@ -459,7 +449,7 @@ def build_tool_model(
         model, tokenizer, train = _initial_state(args)
         loss, prefix = _warm_up(model, tokenizer, train, steps=warmup_steps, batch_size=batch_size, lr=learning_rate)
         figures = dict(parameters=sum(p.numel() for p in model.parameters()), final_loss=loss)
-        return model, tokenizer, dict(figures, **_held_out_figures(model, tokenizer, args), warm_up_prefix=prefix)
+        return model, tokenizer, dict(figures, **held_out_figures(model, tokenizer, args), warm_up_prefix=prefix)
 
     return cached_build(Path(out_dir), args, build, make, from_scratch)
 
