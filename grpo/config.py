@@ -28,8 +28,8 @@ from grpo.config_parsing import (
     section,
     setting,
 )
-from grpo.loss import SUPPORTED_VALUES
-from grpo.loss import check_supported as check_supported_loss
+from grpo.loss_settings import SUPPORTED_VALUES
+from grpo.loss_settings import check_supported as check_supported_loss
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 # vllm.max_logprob_diff when unset, per model.dtype. Measured (results/README.md): a working sync's mean |vLLM -

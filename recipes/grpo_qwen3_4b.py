@@ -41,7 +41,7 @@ from grpo.exits import exit_finished, exit_refused, exit_with_line
 
 def load_config_or_exit(argv: list[str] | None = None) -> RecipeConfig:
     """The config from the command line; a bad one is one line from one process and exit code 2, within a second
-    (this runs before transformers and vLLM are imported, within seconds)."""
+    (grpo.config imports neither torch, transformers nor vLLM: tests/test_config.py checks it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="recipe YAML (see recipes/configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. lora.merge=false learning_rate=2e-5")

@@ -261,6 +261,10 @@ def test_a_config_error_is_one_line_from_one_process_with_exit_code_2(tmp_path):
     assert ours == [line], launched.stderr[-3000:]  # rank 0 only
     assert "[rank" not in launched.stderr  # no traceback from the recipe's processes (the launcher adds its summary)
     assert f"traceback : {line}" in launched.stderr  # the launcher's summary names the line (torchelastic's error file)
+    # within a second: the config check imports none of the slow libraries
+    probe = "import sys, grpo.config, grpo.exits; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    imported = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=launch_env(), capture_output=True, text=True)
+    assert imported.stdout.strip() == "[]", imported.stdout + imported.stderr[-3000:]
 
 
 def test_a_lora_target_that_matches_nothing_is_refused_before_the_model_loads(tmp_path, tiny_model):

@@ -22,12 +22,12 @@ from trl.trainer.utils import nanmax, nanmin
 from grpo.loss import (
     LossSettings,
     accumulate_stats,
-    check_supported,
     grpo_loss,
     high_entropy_mask,
     reduce_op,
     vllm_importance_sampling_ratio,
 )
+from grpo.loss_settings import check_supported
 
 B, T = 10, 7
 LENGTHS = [7, 5, 3, 1, 0, 6, 7, 4, 2, 6]  # ragged completions, a one-token one, and a fully masked row
