@@ -1,11 +1,16 @@
-"""Checks that need several processes, one per call: `torchrun --standalone --nproc_per_node 2 THIS CHECK [TMP]`.
+"""Checks that need several processes: `torchrun --standalone --nproc_per_node 2 THIS CHECK[,CHECK...] [TMP]`.
 
-Run by tests/test_distributed.py (gloo on CPU). Each check asserts on every rank and prints "<CHECK> OK" at the end.
+Run by tests/test_distributed.py (gloo on CPU), all in one pair of processes (each launch costs ~10 s of imports).
+Each check asserts on every rank, in a folder of its own (TMP/<check>), and prints "<check> OK" at the end; the first
+that fails prints its traceback and ends both processes (a rank that skipped a collective would leave the other
+waiting in it), so the checks after it are not run.
 """
 
 import json
+import os
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -167,8 +172,6 @@ def sampling_streams(rank: int, tmp: Path) -> None:
 def same_weights(rank: int, tmp: Path) -> None:
     """Ranks that load the same checkpoint pass the start-up check; accelerate's default
     fsdp_cpu_ram_efficient_loading (zeros on every process but local rank 0) and a perturbed rank are named."""
-    import os
-
     from transformers import AutoModelForCausalLM
 
     if rank == 0:
@@ -200,10 +203,18 @@ def expect_refusal(check, *fragments: str) -> None:
 
 
 if __name__ == "__main__":
-    check, tmp = sys.argv[1], Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
+    checks, tmp = sys.argv[1].split(","), Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    globals()[check](rank, tmp)
-    print(f"rank {rank}: {check} OK", flush=True)
+    for check in checks:
+        (tmp / check).mkdir(parents=True, exist_ok=True)
+        try:
+            globals()[check](rank, tmp / check)
+        except BaseException:
+            traceback.print_exc()
+            print(f"rank {rank}: {check} FAILED", flush=True)
+            sys.stderr.flush()
+            os._exit(1)
+        print(f"rank {rank}: {check} OK", flush=True)
     finish_worker()  # (a vLLM engine's shutdown may already have taken the default group with it)
