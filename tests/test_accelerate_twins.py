@@ -50,44 +50,50 @@ def twins() -> dict[str, list[str]]:
     return groups
 
 
-def exported_fsdp_env(config: Path, tmp_path: Path) -> dict:
-    """The FSDP_*/ACCELERATE_* environment `accelerate launch` gives a process for ``config`` (one process)."""
+def exported_fsdp_envs(configs: list[Path], tmp_path: Path) -> list[dict]:
+    """The FSDP_*/ACCELERATE_* environment `accelerate launch` gives a process (one process) for each of ``configs``;
+    the launchers run side by side (each is ~3.5 s of imports on one core)."""
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, json; print('ENV=' + json.dumps({k: v for k, v in os.environ.items() "
         "if k.startswith(('FSDP_', 'ACCELERATE_MIXED', 'ACCELERATE_USE_FSDP'))}))"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config),
-            "--num_processes",
-            "1",
-            "--num_machines",
-            "1",
-            "--machine_rank",
-            "0",
-            str(probe),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
-    line = next((line for line in proc.stdout.splitlines() if line.startswith("ENV=")), None)
-    assert line, (config.name, proc.stderr[-3000:])
-    return json.loads(line[4:])
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
+    launchers = [
+        subprocess.Popen(
+            [*launch, "--machine_rank", "0", "--config_file", str(config), str(probe)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        )
+        for config in configs
+    ]
+    envs = []
+    for config, launcher in zip(configs, launchers):
+        stdout, stderr = launcher.communicate(timeout=120)
+        line = next((line for line in stdout.splitlines() if line.startswith("ENV=")), None)
+        assert line, (config.name, stderr[-3000:])
+        envs.append(json.loads(line[4:]))
+    return envs
+
+
+@pytest.fixture(scope="module")
+def launch_envs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """GPU config name -> (what accelerate exports for it, what it exports for its CPU twin)."""
+    tmp = tmp_path_factory.mktemp("twins")
+    twin_files = []
+    for config in GPU_CONFIGS:
+        twin_files.append(tmp / f"{config.stem}-twin.yaml")
+        twin_files[-1].write_text(yaml.safe_dump(cpu_twin(config)))
+    envs = exported_fsdp_envs([*GPU_CONFIGS, *twin_files], tmp)
+    return {config.name: (envs[i], envs[len(GPU_CONFIGS) + i]) for i, config in enumerate(GPU_CONFIGS)}
 
 
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=[c.stem for c in GPU_CONFIGS])
-def test_a_twin_gets_the_launch_environment_of_its_gpu_config(config, tmp_path):
-    twin = tmp_path / "twin.yaml"
-    twin.write_text(yaml.safe_dump(cpu_twin(config)))
-    env = exported_fsdp_env(config, tmp_path)
-    assert env == exported_fsdp_env(twin, tmp_path)
+def test_a_twin_gets_the_launch_environment_of_its_gpu_config(config, launch_envs):
+    env, twin_env = launch_envs[config.name]
+    assert env == twin_env
     assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false", "accelerate would zero the weights of ranks != 0"
     settings = fsdp_settings(env)  # accepted as accelerate exports it
     assert settings.reshard_after_forward and not settings.offload_params, config.name
