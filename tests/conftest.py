@@ -24,3 +24,16 @@ def tiny_tool_model(tmp_path_factory):
     from grpo.tasks.tiny_tools import build_tool_model
 
     return build_tool_model(tmp_path_factory.mktemp("model") / "tools", warmup_steps=100, tool_only_steps=100)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, tiny_model):
+    """The recipe with tests/recipe_runs.py's REFERENCE_RUN on the embedded model, run once per pytest run and read
+    by the tests of fidelity, of the accelerate twins and of resuming; yields (output dir, process, metrics). Its
+    folder is read only."""
+    from recipe_runs import REFERENCE_RUN, launch
+
+    out = tmp_path_factory.mktemp("reference")
+    proc, metrics = launch(out, tiny_model, *REFERENCE_RUN)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return out, proc, metrics

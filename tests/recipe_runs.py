@@ -19,6 +19,17 @@ SMALL_RUN = [
     "eval_steps=null",
 ]
 
+# The embedded model's fp32 run that several tests read instead of each launching its own (conftest.py's
+# `reference_run`): 4 rollout steps, merged pushes, held-out evaluations before training, after optimizer step 4 and
+# at the end, TensorBoard, top-p sampling, and the log-prob guard's floor below this model's own fp32 kernel
+# difference (the first step's baseline sets the limit, and the run goes on).
+REFERENCE_RUN = (
+    "max_steps=8",
+    "eval_steps=4",
+    "report_to=[tensorboard]",
+    "top_p=0.9",
+    "vllm.max_logprob_diff=1e-9",
+)
 
 CPU_ACCELERATE_CONFIG = ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
 

@@ -2,7 +2,7 @@
 
 A twin keeps every `fsdp_*` key and `mixed_precision` of its GPU config and runs 2 processes on gloo, so
 `accelerate launch` exports for it what it exports for the GPU config (checked), and the recipe's start-up and
-two rollout steps run under exactly that environment. Twins that come out identical run once. Adding a YAML to
+four rollout steps run under exactly that environment. Twins that come out identical run once. Adding a YAML to
 accelerate_configs/ adds its twin.
 """
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from recipe_runs import CPU_ACCELERATE_CONFIG, ROOT, launch, launch_command, launch_env
+from bench_common import free_port
+from recipe_runs import CPU_ACCELERATE_CONFIG, REFERENCE_RUN, ROOT, launch, launch_command, launch_env
 from transformers import AutoModelForCausalLM
 
 from grpo.parallel import check_same_weights, fsdp_settings
@@ -32,7 +33,6 @@ LAYOUT_KEYS = (
     "gpu_ids",
     "use_cpu",
 )
-TWIN_RUN = ("max_steps=4", "vllm.max_logprob_diff=1e-9")
 TIMINGS = re.compile(r"(_s|_per_s|peak_mem_gb)$")
 
 
@@ -52,16 +52,17 @@ def twins() -> dict[str, list[str]]:
 
 def exported_fsdp_envs(configs: list[Path], tmp_path: Path) -> list[dict]:
     """The FSDP_*/ACCELERATE_* environment `accelerate launch` gives a process (one process) for each of ``configs``;
-    the launchers run side by side (each is ~3.5 s of imports on one core)."""
+    the launchers run side by side (each is ~3.5 s of imports on one core), each with a port of its own."""
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, json; print('ENV=' + json.dumps({k: v for k, v in os.environ.items() "
         "if k.startswith(('FSDP_', 'ACCELERATE_MIXED', 'ACCELERATE_USE_FSDP'))}))"
     )
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
+    launch += ["--machine_rank", "0"]
     launchers = [
         subprocess.Popen(
-            [*launch, "--machine_rank", "0", "--config_file", str(config), str(probe)],
+            [*launch, "--main_process_port", str(free_port()), "--config_file", str(config), str(probe)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -99,32 +100,27 @@ def test_a_twin_gets_the_launch_environment_of_its_gpu_config(config, launch_env
     assert settings.reshard_after_forward and not settings.offload_params, config.name
 
 
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory, tiny_model):
-    """Two rollout steps with the CPU config (the reference every twin must reproduce), with the guard's floor
-    set below this model's own fp32 kernel difference: the first step's baseline sets the limit, and the run goes on."""
-    out = tmp_path_factory.mktemp("cpu-config")
-    proc, metrics = launch(out, tiny_model, *TWIN_RUN)
-    log = (out / "run" / "train.log").read_text()
-    baseline = metrics[0]["rollout_logprob_diff_mean"]
-    assert baseline > 1e-9 and f"the run stops above {10 * baseline:.3g}" in log
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return out, metrics
-
-
 @pytest.mark.parametrize("twin_yaml", list(twins()), ids=["+".join(names) for names in twins().values()])
 def test_the_recipe_under_each_twin_loads_the_real_weights_and_trains_as_the_cpu_config(
-    twin_yaml, cpu_run, tmp_path, tiny_model
+    twin_yaml, reference_run, tmp_path, tiny_model
 ):
+    """The reference every twin must reproduce is the CPU config's run of the same settings (conftest.py's
+    reference_run: its guard's floor is below this model's own fp32 kernel difference, so the first step's
+    baseline sets the limit, and the run goes on)."""
     config = tmp_path / "twin.yaml"
     config.write_text(twin_yaml)
-    proc, metrics = launch(tmp_path, tiny_model, *TWIN_RUN, accelerate_config=config)
+    proc, metrics = launch(tmp_path, tiny_model, *REFERENCE_RUN, accelerate_config=config)
     assert proc.returncode == 0, proc.stderr[-5000:]
     log = (tmp_path / "run" / "train.log").read_text()
     plain = check_same_weights(AutoModelForCausalLM.from_pretrained(tiny_model), rank=0, world=1)
     assert f"base weights identical on all 2 process(es) before sharding (sha1 {plain})" in log
-    reference = cpu_run[1]
-    assert len(metrics) == len(reference) == 2
+    reference_dir, _, reference = reference_run
+    baseline = reference[0]["rollout_logprob_diff_mean"]
+    assert (
+        baseline > 1e-9
+        and f"the run stops above {10 * baseline:.3g}" in (reference_dir / "run" / "train.log").read_text()
+    )
+    assert len(metrics) == len(reference) == 4
     for twin_line, cpu_line in zip(metrics, reference):
         deterministic = {k for k in cpu_line if not TIMINGS.search(k)}
         assert {k: twin_line[k] for k in deterministic} == {k: cpu_line[k] for k in deterministic}

@@ -39,20 +39,24 @@ METRIC_NAMES = {
 }
 
 
-@pytest.mark.parametrize(
-    "merge, extra",
-    [
-        (True, ["eval_steps=4", "report_to=[tensorboard]", "top_p=0.9"]),
-        (False, ["beta=0.04", "top_k=20", "padding.logprob_chunk_size=16"]),
-    ],
-    ids=["merge_on_with_eval_tensorboard_top_p", "merge_off_with_reference_kl_top_k_lm_head_chunks"],
-)
-def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
-    """vLLM's log-probs are those of its truncated (top-p / top-k) distribution; the trainer's follow the same
-    truncation, so in fp32 they agree to 1e-6 and the on-policy ratio is 1, merge on and off."""
-    proc, metrics = launch(tmp_path, tiny_model, f"lora.merge={str(merge).lower()}", *extra)
+def test_rollouts_follow_the_trainer_merge_on_with_eval_tensorboard_top_p(reference_run, tiny_model):
+    """vLLM's log-probs are those of its truncated (top-p here, top-k below) distribution; the trainer's follow the
+    same truncation, so in fp32 they agree to 1e-6 and the on-policy ratio is 1, merge on and off. Merge on: the
+    shared reference run (tests/recipe_runs.py's REFERENCE_RUN, held-out evaluations and TensorBoard on)."""
+    out, proc, metrics = reference_run
+    check_rollouts_follow(out, proc, metrics, tiny_model, merge=True, rollout_steps=4)
+    check_eval_and_tensorboard(out, metrics)
+
+
+def test_rollouts_follow_the_trainer_merge_off_with_reference_kl_top_k_lm_head_chunks(tmp_path, tiny_model):
+    extra = ["beta=0.04", "top_k=20", "padding.logprob_chunk_size=16"]
+    proc, metrics = launch(tmp_path, tiny_model, "lora.merge=false", *extra)
+    check_rollouts_follow(tmp_path, proc, metrics, tiny_model, merge=False, rollout_steps=3)
+
+
+def check_rollouts_follow(out, proc, metrics, tiny_model, merge: bool, rollout_steps: int):
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert len(metrics) == 3  # 6 optimizer steps / 2 mini-batches per rollout
+    assert len(metrics) == rollout_steps  # 2 optimizer steps (mini-batches) per rollout
     for m in metrics:
         assert METRIC_NAMES <= set(m), METRIC_NAMES - set(m)
         assert m["merge"] is merge
@@ -61,33 +65,32 @@ def test_rollouts_follow_the_trainer(tmp_path, tiny_model, merge, extra):
         assert m["sync_changed_trainer"] == 0, m  # the sync left the trainer's weights bit-for-bit alone
         assert m["rollout_tokens"] > 0 and m["rollout_tokens_per_s"] > 0
     assert metrics[-1]["ratio_min"] < 1 < metrics[-1]["ratio_max"]  # later mini-batches were genuinely off-policy
-    adapter = tmp_path / "run" / "adapter"
+    adapter = out / "run" / "adapter"
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(adapter))
     lora_b = [p for n, p in trained.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # peft loads it, and it holds the trained weights
-    log = (tmp_path / "run" / "train.log").read_text()
-    assert "rollout 3/3 (optimizer step 6) reward" in log  # the log outlives vLLM's logging setup
+    log = (out / "run" / "train.log").read_text()
+    last = f"rollout {rollout_steps}/{rollout_steps} (optimizer step {2 * rollout_steps}) reward"
+    assert last in log  # the log outlives vLLM's logging setup
     assert "Failed to load weights" not in proc.stderr  # the strict push keeps the benign reload warnings quiet
-    config = (tmp_path / "run" / "config.yaml").read_text()
+    config = (out / "run" / "config.yaml").read_text()
     assert f"merge: {str(merge).lower()}" in config
-    if "eval_steps=4" in extra:
-        check_eval_and_tensorboard(tmp_path, metrics)
 
 
-def check_eval_and_tensorboard(tmp_path, metrics):
+def check_eval_and_tensorboard(out, metrics):
     """Held-out evaluation before training, after optimizer step 4 and at the end; TensorBoard holds the scalars."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    evals = read_evals(tmp_path)
-    assert [e["global_step"] for e in evals] == [0, 4, 6], evals
+    evals = read_evals(out)
+    assert [e["global_step"] for e in evals] == [0, 4, 8], evals
     for e in evals:
         assert 0 <= e["eval_reward_greedy"] <= 1 and 0 <= e["eval_reward_sampled"] <= 1 and e["eval_problems"] > 0
-    events = EventAccumulator(str(next((tmp_path / "run" / "runs").rglob("events.out.tfevents.*")).parent))
+    events = EventAccumulator(str(next((out / "run" / "runs").rglob("events.out.tfevents.*")).parent))
     events.Reload()
     rewards = events.Scalars("reward_mean")
     assert [e.step for e in rewards] == [m["global_step"] for m in metrics]
     assert [e.value for e in rewards] == pytest.approx([m["reward_mean"] for m in metrics], rel=1e-6)
-    assert [e.step for e in events.Scalars("eval_reward_greedy")] == [0, 4, 6]
+    assert [e.step for e in events.Scalars("eval_reward_greedy")] == [0, 4, 8]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])

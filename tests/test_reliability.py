@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from recipe_runs import ROOT, launch, launch_command, launch_env, read_metrics
+from recipe_runs import REFERENCE_RUN, ROOT, launch, launch_command, launch_env, read_metrics
 from transformers import AutoModelForCausalLM
 
 # everything a step computes that does not depend on the clock
@@ -34,16 +34,17 @@ def checkpoint_step(checkpoint) -> int:
     return json.loads((checkpoint / "trainer_state.json").read_text())["rollout_step"]
 
 
-def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model):
-    reference, metrics = launch(tmp_path / "uninterrupted", tiny_model, "max_steps=8")
-    assert reference.returncode == 0, reference.stderr[-5000:]
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model, reference_run):
+    """The uninterrupted run is the shared reference run (tests/recipe_runs.py's REFERENCE_RUN: held-out
+    evaluations between the steps, whose sampling a resumed run must redo as they were)."""
+    _, _, metrics = reference_run
     assert [m["rollout_step"] for m in metrics] == [1, 2, 3, 4]
 
     # Interrupt a longer run as a terminal or a cluster scheduler would: SIGTERM to every process of the job.
     out, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
     with open(log, "w") as sink:  # a file, not a pipe: a full pipe would block the run
         proc = subprocess.Popen(
-            launch_command(out, tiny_model, "max_steps=40"),
+            launch_command(out, tiny_model, *REFERENCE_RUN, "max_steps=40"),
             cwd=ROOT,
             env=launch_env(),
             stdout=sink,
@@ -67,7 +68,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, t
     assert any("lora_B" in n for n, _ in saved.named_parameters())  # peft loads the checkpoint's adapter
 
     # Resume in place (short alias, newest checkpoint): the steps after the checkpoint equal the uninterrupted run's.
-    resumed, metrics_after = launch(out, tiny_model, "max_steps=8", "resume_from=last")
+    resumed, metrics_after = launch(out, tiny_model, *REFERENCE_RUN, "resume_from=last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert f"continuing at rollout step {stopped_at + 1} of 4" in resumed.stderr
     assert [m["rollout_step"] for m in metrics_after] == [1, 2, 3, 4]  # earlier lines kept, later ones redone once
