@@ -19,11 +19,11 @@ def tiny_moe_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tool_model(tmp_path_factory):
-    """The embedded tool-use model after a short warm-up on tool conversations only: it calls the calculator in
-    well-formed JSON on most problems (copying the result right takes the full warm-up)."""
+    """The embedded tool-use model as shipped (models/tiny-qwen3-tools, copied: no build): it calls the calculator
+    in well-formed JSON on most problems and copies the result right on many."""
     from grpo.tasks.tiny_tools import build_tool_model
 
-    return build_tool_model(tmp_path_factory.mktemp("model") / "tools", warmup_steps=100, tool_only_steps=100)
+    return build_tool_model(tmp_path_factory.mktemp("model") / "tools")
 
 
 @pytest.fixture(scope="session")

@@ -188,7 +188,8 @@ def test_tool_episodes_follow_the_trainer_on_every_turn(tmp_path, tiny_tool_mode
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert len(metrics) == 3
     for m in metrics:
-        assert m["tools/call_frequency"] > 0.5 and m["model_tokens_turn2"] > 0, m  # the episodes went on after a tool
+        # the episodes went on after a tool (the shipped model was warmed up on 40% tool conversations)
+        assert m["tools/call_frequency"] > 0.2 and m["model_tokens_turn2"] > 0, m
         assert m["ratio_onpolicy_maxdev"] <= 1e-5, m
         assert m["rollout_logprob_diff_turn1"] <= 1e-6 and m["rollout_logprob_diff_turn2"] <= 1e-6, m
         assert m["sync_changed_trainer"] == 0, m
