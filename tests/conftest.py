@@ -37,3 +37,20 @@ def reference_run(tmp_path_factory, tiny_model):
     proc, metrics = launch(out, tiny_model, *REFERENCE_RUN)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return out, proc, metrics
+
+
+ENGINE_WORKERS = [  # the fault injector last: nothing it patches reaches another worker
+    "vllm_moe_push_worker.py",
+    "lora_merge_bf16_worker.py",
+    "lora_merge_moe_worker.py",
+    "lora_merge_fault_worker.py",
+]
+
+
+@pytest.fixture(scope="session")
+def engine_workers(tmp_path_factory):
+    """The in-process vLLM workers of tests/test_merge_moe.py and tests/test_server_mode.py, run once in one process
+    (tests/vllm_workers.py); worker -> its figures (read them with tests/torchrun.py's `figures_of`)."""
+    from torchrun import vllm_workers
+
+    return vllm_workers(ENGINE_WORKERS, tmp_path_factory.mktemp("engine-workers"))

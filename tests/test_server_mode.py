@@ -17,7 +17,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ import requests
 import torch
 from bench_common import free_port, serve, wait_until_up
 from recipe_runs import launch, launch_command, launch_env, read_metrics
-from torchrun import WORKER_ENV, torchrun, vllm_worker
+from torchrun import WORKER_ENV, figures_of, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 3+4=?\nA:", "Q: 12+30=?\nA:", "Q: 7+7=?\nA:"]
@@ -337,9 +336,9 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     assert [differences(g, w) for g, w in zip(got, want)] == [{}, {}, {}]
 
 
-def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
+def test_moe_expert_and_embedding_lora_merge_in_process(engine_workers):
     """tests/lora_merge_moe_worker.py: an in-process LLM with the backend, LoRA on attention, experts, embeddings."""
-    errors = vllm_worker("lora_merge_moe_worker.py", tmp_path / "errors.json")
+    errors = figures_of(engine_workers, "lora_merge_moe_worker.py")
     assert errors["base_error"] <= 1e-5  # the engine computes what the trainer computes
     assert errors["lora_effect"] > 0.1 and errors["embedding_lora_effect"] > 0.01  # the agreement is not trivial
     assert errors["first_error"] <= 1e-5
@@ -347,11 +346,11 @@ def test_moe_expert_and_embedding_lora_merge_in_process(tmp_path):
     assert errors["weight_version"] == "2"
 
 
-def test_a_sync_that_fails_part_way_leaves_the_previous_version_served():
+def test_a_sync_that_fails_part_way_leaves_the_previous_version_served(engine_workers):
     """tests/lora_merge_fault_worker.py: a fault after 3 reloaded tensors of an update. The engine serves the previous
     update again, bit for bit, with no parameter on the meta device; the control (no restore) leaves some on meta.
     A fault inside vLLM's per-layer reload leaves every parameter in its own storage (``data_ptr()``)."""
-    figures = vllm_worker("lora_merge_fault_worker.py", Path(tempfile.mkdtemp()) / "fault.json")
+    figures = figures_of(engine_workers, "lora_merge_fault_worker.py")
     assert "injected fault" in figures["error_True"] and "serves the previous version again" in figures["error_True"]
     assert len(figures["reloaded_before_fault"]) == 3  # the fault came part-way through the reload
     assert figures["on_meta_True"] == [] and figures["after_fault_vs_first"] == 0.0
@@ -368,11 +367,11 @@ def test_a_sync_that_fails_part_way_leaves_the_previous_version_served():
     assert figures["reload_moved_False"] and "serves the previous version again" in figures["reload_error_False"]
 
 
-def test_a_bf16_server_serves_the_unmerged_peft_model_from_bf16_factors():
+def test_a_bf16_server_serves_the_unmerged_peft_model_from_bf16_factors(engine_workers):
     """tests/lora_merge_bf16_worker.py: a bf16 in-process engine, the factors sent in bf16 (half the fp32 bytes) and
     merged in fp32. Served log-probs against the unmerged peft model at the precision the server holds: within
     bf16's rounding of the merged weights after the push; the control (before it) is far off."""
-    figures = vllm_worker("lora_merge_bf16_worker.py", Path(tempfile.mkdtemp()) / "bf16.json")
+    figures = figures_of(engine_workers, "lora_merge_bf16_worker.py")
     assert figures["sync_bytes"] * 2 == figures["fp32_factor_bytes"]
     assert figures["after_mean"] <= 5e-3 and figures["after_max"] <= 5e-2, figures
     assert figures["before_mean"] > 20 * figures["after_mean"], figures  # the push is what makes them agree

@@ -45,18 +45,32 @@ def torchrun(
     return proc
 
 
-def vllm_worker(worker: str, out: Path, timeout: int = 300) -> dict:
-    """``python tests/<worker> <out>`` with an in-process vLLM engine; asserts that it succeeded and returns the JSON
-    figures it wrote to ``out``."""
+def vllm_workers(workers: list[str], out_dir: Path, timeout: int = 600) -> dict[str, dict | str]:
+    """``python tests/vllm_workers.py`` running each of ``workers`` (scripts with ``main(out)``, an in-process vLLM
+    engine each) one after another in one process: the engines are built afresh, the ~10 s of imports paid once.
+    Returns worker -> the JSON figures it wrote, or the reason it has none (its traceback, or not run: an earlier
+    worker failed and took the process with it)."""
+    outs = {worker: out_dir / f"{Path(worker).stem}.json" for worker in workers}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / worker), str(out)],
+        [sys.executable, str(ROOT / "tests" / "vllm_workers.py"), *(f"{w}:{out}" for w, out in outs.items())],
         env={**os.environ, **WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = json.loads(out.read_text())
+    print(proc.stdout[-4000:])
+    return {
+        worker: json.loads(out.read_text())
+        if out.exists()
+        else f"{worker}: no figures (exit code {proc.returncode})\n{proc.stderr[-6000:]}"
+        for worker, out in outs.items()
+    }
+
+
+def figures_of(runs: dict[str, dict | str], worker: str) -> dict:
+    """``worker``'s figures from `vllm_workers`; a worker that wrote none fails the test with its reason."""
+    figures = runs[worker]
+    assert isinstance(figures, dict), figures
     print(figures)
     return figures
 

@@ -1,6 +1,7 @@
-"""Run by tests/test_merge_moe.py in a process of its own (vLLM binds threads and keeps global state): push the
-merged LoRA weights of a tiny Qwen3-MoE into an in-process vLLM-CPU engine and compare its log-probs on fixed
-tokens with the trainer's (HF forward of the peft model), in fp32.
+"""Run by tests/test_merge_moe.py in a process apart from pytest's (vLLM binds threads and keeps global state;
+tests/vllm_workers.py runs the engine workers there one after another): push the merged LoRA weights of a tiny Qwen3-MoE
+into an in-process vLLM-CPU engine and compare its log-probs on fixed tokens with the trainer's (HF forward of the peft
+model), in fp32.
 
     python tests/vllm_moe_push_worker.py OUT.json [MODEL_DIR]
 
@@ -52,7 +53,7 @@ def most_routed_expert(model, tokens: torch.Tensor, layer: int) -> int:
     return int(torch.bincount(chosen.flatten(), minlength=model.config.num_experts).argmax())
 
 
-def main(out_path: str, model_dir: str | None) -> None:
+def main(out_path: str, model_dir: str | None = None) -> None:
     if model_dir is None:
         model_dir = tempfile.mkdtemp()
         tiny_qwen3_moe().save_pretrained(model_dir)
