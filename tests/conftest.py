@@ -11,10 +11,11 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_moe_model(tmp_path_factory):
-    """The embedded mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) with a short warm-up."""
+    """The embedded mixture-of-experts model (Qwen3-MoE, 8 experts, top-2), untrained: its test rewards with
+    tests/stand_in_rewards.py, which needs no answer right to train."""
     from grpo.tasks.tiny_gsm8k import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe", size="tiny-moe", warmup_steps=60)
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe", size="tiny-moe", warmup_steps=0)
 
 
 @pytest.fixture(scope="session")

@@ -149,16 +149,26 @@ def test_half_precision_trains_fp32_adapters_with_the_guard_armed(tmp_path, tiny
 
 def test_moe_experts_merged_and_served(tmp_path, tiny_moe_model):
     """LoRA on the fused expert weights and on attention, merged layer by layer and served by vLLM: the same
-    fidelity as the dense model (|vLLM - trainer| <= 1e-6 in fp32, on-policy ratio 1)."""
-    proc, metrics = launch(tmp_path, tiny_moe_model, config="tiny_moe_cpu.yaml")
+    fidelity as the dense model (|vLLM - trainer| <= 1e-6 in fp32, on-policy ratio 1). The model is untrained and
+    the reward a digest of each completion's text (tests/stand_in_rewards.py): every group's completions differ in
+    reward, so every step updates the experts' LoRA that the next sync merges."""
+    from safetensors.torch import load_file
+
+    proc, metrics = launch(
+        tmp_path, tiny_moe_model, "reward_funcs=[stand_in_rewards:text_digest_reward]", config="tiny_moe_cpu.yaml"
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert len(metrics) == 3
     for m in metrics:
         assert m["rollout_logprob_diff_mean"] <= 1e-6, m  # as the dense model's runs
         assert m["ratio_onpolicy_maxdev"] <= 1e-5, m
         assert m["sync_changed_trainer"] == 0, m
+        assert m["loss"] != 0, m  # an update at every step: the syncs after it merge a non-zero delta
     saved = (tmp_path / "run" / "adapter" / "adapter_config.json").read_text()
     assert "mlp.experts.gate_up_proj" in saved  # the adapter holds the experts' LoRA
+    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    experts_b = [t for name, t in adapter.items() if "experts" in name and "lora_B" in name]
+    assert experts_b and all(t.abs().sum() > 0 for t in experts_b)  # trained: the merged delta was not zero
     for targets in ("[mlp.experts.gate_up_proj]", "null"):  # LoRA on the experts; on attention of an MoE model
         refused = run_recipe(
             tmp_path / "refused",
