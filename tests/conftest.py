@@ -55,3 +55,16 @@ def engine_workers(tmp_path_factory):
     from torchrun import vllm_workers
 
     return vllm_workers(ENGINE_WORKERS, tmp_path_factory.mktemp("engine-workers"))
+
+
+@pytest.fixture(scope="session")
+def legacy_slice_nan_reward_run(tmp_path_factory, tiny_model):
+    """One run for two tests whose settings do not touch each other: the trainer's log-probs read with the legacy
+    slice (padding.legacy_slice: the ratio blows up) and a NaN reward on rank 0 at rollout step 2 (every rank stops
+    before that step's update, the checkpoint of step 1 kept); yields (output dir, process, metrics)."""
+    from recipe_runs import launch
+
+    out = tmp_path_factory.mktemp("legacy-slice-nan-reward")
+    overrides = ["padding.legacy_slice=true", "save_steps=2", "reward_funcs=[faulty_rewards:nan_on_rank0_second_call]"]
+    proc, metrics = launch(out, tiny_model, *overrides)
+    return out, proc, metrics

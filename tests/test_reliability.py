@@ -80,16 +80,15 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, t
     assert made["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and "torch" in made["packages"]
 
 
-def test_nan_reward_on_one_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path, tiny_model):
-    proc, metrics = launch(
-        tmp_path, tiny_model, "save_steps=2", "reward_funcs=[faulty_rewards:nan_on_rank0_second_call]"
-    )
+def test_nan_reward_on_one_rank_stops_every_rank_and_keeps_the_checkpoint(legacy_slice_nan_reward_run, tiny_model):
+    """(The run reads its log-probs with the legacy slice as well: tests/test_grpo_e2e.py checks that part.)"""
+    out, proc, metrics = legacy_slice_nan_reward_run
     assert proc.returncode != 0
     assert "step 2, rewards: non-finite reward from faulty_rewards:nan_on_rank0_second_call" in proc.stderr
-    last_good = tmp_path / "run" / "checkpoint-2"
+    last_good = out / "run" / "checkpoint-2"
     assert f"the last good checkpoint is {last_good}" in proc.stderr
     assert [m["rollout_step"] for m in metrics] == [1]
-    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    assert sorted(p.name for p in (out / "run").glob("checkpoint-*")) == ["checkpoint-2"]
     assert checkpoint_step(last_good) == 1
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(last_good))
 
