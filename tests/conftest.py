@@ -68,3 +68,17 @@ def legacy_slice_nan_reward_run(tmp_path_factory, tiny_model):
     overrides = ["padding.legacy_slice=true", "save_steps=2", "reward_funcs=[faulty_rewards:nan_on_rank0_second_call]"]
     proc, metrics = launch(out, tiny_model, *overrides)
     return out, proc, metrics
+
+
+@pytest.fixture(scope="session")
+def two_process_checks(tmp_path_factory, tiny_model):
+    """tests/distributed_checks.py's checks and the FSDP2 workers of other test files, run once in one torchrun
+    launch (tests/torchrun.py's TWO_PROCESS_CHECKS); each test asserts its own with tests/torchrun.py's `passed`."""
+    from torchrun import TWO_PROCESS_CHECKS, torchrun
+
+    tmp = tmp_path_factory.mktemp("two-process-checks")
+    (tmp / "sampling_streams").mkdir()
+    (tmp / "sampling_streams" / "model").symlink_to(tiny_model)
+    checks = ",".join(TWO_PROCESS_CHECKS)
+    # RSS follows the live tensors: the memory checks compare peaks
+    return torchrun("distributed_checks.py", checks, str(tmp), check=False, MALLOC_MMAP_THRESHOLD_="65536")

@@ -1,11 +1,14 @@
 """Checks that need several processes: `torchrun --standalone --nproc_per_node 2 THIS CHECK[,CHECK...] [TMP]`.
 
-Run by tests/test_distributed.py (gloo on CPU), all in one pair of processes (each launch costs ~10 s of imports).
-Each check asserts on every rank, in a folder of its own (TMP/<check>), and prints "<check> OK" at the end; the first
-that fails prints its traceback and ends both processes (a rank that skipped a collective would leave the other
-waiting in it), so the checks after it are not run.
+A CHECK is a function of this module, ``check(rank, tmp)``, or ``module:function`` of another test module (the FSDP2
+workers of tests/test_merge.py, test_merge_moe.py and test_padding_memory.py: ``checks(rank)``). All of them run in
+one pair of processes (each launch costs ~10 s of imports; conftest.py's `two_process_checks`): each asserts on every
+rank, in a folder of its own (TMP/<check>), and prints "<CHECK> OK" at the end; the first that fails prints its
+traceback and ends both processes (a rank that skipped a collective would leave the other waiting in it), so the
+checks after it are not run.
 """
 
+import importlib
 import json
 import os
 import statistics
@@ -208,9 +211,14 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for check in checks:
-        (tmp / check).mkdir(parents=True, exist_ok=True)
+        folder = tmp / check.replace(":", "-")
+        folder.mkdir(parents=True, exist_ok=True)
         try:
-            globals()[check](rank, tmp / check)
+            if ":" in check:
+                module, function = check.split(":")
+                getattr(importlib.import_module(module), function)(rank)
+            else:
+                globals()[check](rank, folder)
         except BaseException:
             traceback.print_exc()
             print(f"rank {rank}: {check} FAILED", flush=True)

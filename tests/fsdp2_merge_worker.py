@@ -1,4 +1,5 @@
-"""One rank of the 2-process FSDP2 merge test (run by tests/test_merge.py through torchrun, gloo on CPU).
+"""One rank of the 2-process FSDP2 merge test (`checks`, run by tests/distributed_checks.py under torchrun for
+tests/test_merge.py, gloo on CPU).
 
 Each rank: shard a LoRA Qwen3 with fully_shard (each decoder layer, then the root), take an optimizer step,
 then check merged_lora_params against peft's merge_and_unload() on an unsharded copy, check that its local
@@ -9,18 +10,13 @@ import copy
 import statistics
 
 import torch
-import torch.distributed as dist
 from bench_common import rss_peak_during  # RSS sampling; needs MALLOC_MMAP_THRESHOLD_ set low (the test sets it)
 from qwen3_lora import shard_and_train, tiny_lora
-from torchrun import finish_worker
 
 from merge import decoder_layers, merged_lora_params
 
 
-def main():
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
+def checks(rank: int) -> None:
     model = tiny_lora(layers=4, hidden=512)  # ~10 MB per decoder layer in fp32
     for layer in decoder_layers(model):  # a persistent buffer: FSDP2 leaves it whole, the walk must copy it
         layer.register_buffer("marker", torch.arange(4.0))
@@ -81,9 +77,3 @@ def main():
 
     # training still works after the merge (every group resharded properly)
     model(input_ids=ids, labels=ids).loss.backward()
-    print(f"rank {rank}: FSDP2 MERGE OK")
-    finish_worker()
-
-
-if __name__ == "__main__":
-    main()

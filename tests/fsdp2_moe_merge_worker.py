@@ -1,4 +1,5 @@
-"""One rank of the 2-process FSDP2 merge test for MoE and mixed precision (run by tests/test_merge_moe.py).
+"""One rank of the 2-process FSDP2 merge test for MoE and mixed precision (`checks`, run by tests/distributed_checks.py
+for tests/test_merge_moe.py).
 
 For each case: build a LoRA model (same weights on every rank), shard it with fully_shard (each decoder layer,
 then the root; with the case's MixedPrecisionPolicy), take an optimizer step, then check that
@@ -9,14 +10,11 @@ and that training still runs afterwards.
 """
 
 import copy
-import sys
 
 import torch
-import torch.distributed as dist
 from qwen3_lora import shard_and_train, tiny_lora
 from qwen3_moe_lora import tiny_moe_lora
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torchrun import finish_worker
 from transformers.core_model_loading import revert_weight_conversion
 
 from merge import merged_lora_params
@@ -86,15 +84,6 @@ def check_case(name: str, build, mp_policy, rank: int) -> None:
     print(f"rank {rank}: {name}: {len(got)} tensors OK", flush=True)
 
 
-def main():
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
-    for name in sys.argv[1:] or CASES:
+def checks(rank: int) -> None:
+    for name in CASES:
         check_case(name, *CASES[name], rank)
-    print(f"rank {rank}: FSDP2 MOE MERGE OK")
-    finish_worker()
-
-
-if __name__ == "__main__":
-    main()

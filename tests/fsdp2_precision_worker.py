@@ -1,4 +1,5 @@
-"""One rank of the 2-process FSDP2 merge-precision telemetry test (run by tests/test_merge.py through torchrun).
+"""One rank of the 2-process FSDP2 merge-precision telemetry test (`checks`, run by tests/distributed_checks.py for
+tests/test_merge.py).
 
 For each case: build a LoRA model (same weights on every rank), shard it with fully_shard (each decoder layer, then
 the root; with the case's MixedPrecisionPolicy), take an optimizer step, then merge to bf16 with a
@@ -18,7 +19,6 @@ from bench_common import with_random_lora
 from qwen3_lora import shard_and_train, tiny_lora, tiny_qwen3
 from qwen3_moe_lora import tiny_moe_lora
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torchrun import finish_worker
 
 import merge.merged_params
 from merge import MergePrecisionStats, decoder_layers, merged_lora_params
@@ -111,15 +111,6 @@ def check_case(name: str, build, mp_policy, expect_rows: bool, rank: int) -> Non
     )
 
 
-def main():
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
+def checks(rank: int) -> None:
     for name, (build, mp_policy, expect_rows) in CASES.items():
         check_case(name, build, mp_policy, expect_rows, rank)
-    print(f"rank {rank}: FSDP2 PRECISION OK")
-    finish_worker()
-
-
-if __name__ == "__main__":
-    main()

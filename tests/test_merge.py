@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from qwen3_lora import tiny_lora, tiny_qwen3
 from qwen3_moe_lora import tiny_moe_lora
-from torchrun import torchrun
+from torchrun import passed
 
 from merge import MergePrecisionStats, UnsupportedAdapterError, merged_lora_params, normalize_peft_param_name
 
@@ -144,9 +144,9 @@ def test_unsupported_adapters_raise_clearly():
         list(merged_lora_params(two))
 
 
-def test_fsdp2_two_processes():
-    """torchrun, 2 processes on gloo: see tests/fsdp2_merge_worker.py for what each rank asserts."""
-    torchrun("fsdp2_merge_worker.py", ok_marker="FSDP2 MERGE OK", MALLOC_MMAP_THRESHOLD_="65536")
+def test_fsdp2_two_processes(two_process_checks):
+    """2 processes on gloo: see tests/fsdp2_merge_worker.py for what each rank asserts."""
+    passed(two_process_checks, "fsdp2_merge_worker:checks")
 
 
 def merged_with_stats(
@@ -297,6 +297,6 @@ def test_precision_stats_cover_moe_experts(model_dtype, adapter_autocast):
     assert 0.99 < got["sync_delta_kept"] < 1 and 0 < got["sync_delta_rel_err"] < 0.01
 
 
-def test_precision_stats_fsdp2_two_processes():
-    """torchrun, 2 processes on gloo: see tests/fsdp2_precision_worker.py for what each rank asserts."""
-    torchrun("fsdp2_precision_worker.py", ok_marker="FSDP2 PRECISION OK")
+def test_precision_stats_fsdp2_two_processes(two_process_checks):
+    """2 processes on gloo: see tests/fsdp2_precision_worker.py for what each rank asserts."""
+    passed(two_process_checks, "fsdp2_precision_worker:checks")

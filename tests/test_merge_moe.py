@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from qwen3_lora import tiny_lora
 from qwen3_moe_lora import EXPERTS, tiny_moe_lora, tiny_qwen3_moe
 from safetensors.torch import load_file
-from torchrun import figures_of, torchrun
+from torchrun import figures_of, passed
 
 from merge import merged_lora_params, normalize_peft_param_name
 from merge.vllm_compat import has_fused_experts, vllm_unservable_lora_targets
@@ -130,9 +130,9 @@ def test_vllm_unservable_lora_targets():
     assert vllm_unservable_lora_targets(dense, "cpu") == []
 
 
-def test_fsdp2_two_processes_moe_and_mixed_precision():
-    """torchrun, 2 processes on gloo: see tests/fsdp2_moe_merge_worker.py for what each rank asserts."""
-    torchrun("fsdp2_moe_merge_worker.py", ok_marker="FSDP2 MOE MERGE OK")
+def test_fsdp2_two_processes_moe_and_mixed_precision(two_process_checks):
+    """2 processes on gloo: see tests/fsdp2_moe_merge_worker.py for what each rank asserts."""
+    passed(two_process_checks, "fsdp2_moe_merge_worker:checks")
 
 
 def test_vllm_serves_the_merged_moe(engine_workers):

@@ -97,10 +97,11 @@ def test_no_full_vocabulary_logits_and_a_lower_peak():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_fsdp2_two_processes_give_the_full_logits_values_and_gradients(tmp_path):
-    from torchrun import torchrun
+def test_fsdp2_two_processes_give_the_full_logits_values_and_gradients(two_process_checks):
+    """2 processes on gloo: `checks` below, on each rank."""
+    from torchrun import passed
 
-    torchrun("test_padding_memory.py", ok_marker="PADDING FSDP2 OK")
+    passed(two_process_checks, "test_padding_memory:checks")
 
 
 def fsdp2_case(name: str, rank: int) -> None:
@@ -151,13 +152,8 @@ def fsdp2_case(name: str, rank: int) -> None:
         )
 
 
-if __name__ == "__main__":
-    import torch.distributed as dist
-    from torchrun import finish_worker
-
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+def checks(rank: int) -> None:
+    """The FSDP2 cases, on each of 2 ranks (tests/distributed_checks.py runs this)."""
     for case in (
         "dense, packed_sdpa, activation checkpointing",
         "dense, LoRA on an untied lm_head",
@@ -165,5 +161,3 @@ if __name__ == "__main__":
         "dense, bf16 base and compute, fp32 LoRA",
     ):
         fsdp2_case(case, rank)
-    print(f"rank {rank}: PADDING FSDP2 OK", flush=True)
-    finish_worker()

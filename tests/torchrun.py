@@ -45,6 +45,28 @@ def torchrun(
     return proc
 
 
+# tests/distributed_checks.py's checks, run in one torchrun (conftest.py's `two_process_checks`): those that measure
+# memory first, in fresh processes; the vLLM engine's last (its shutdown may take the default process group with it)
+TWO_PROCESS_CHECKS = [
+    "fsdp2_merge_worker:checks",
+    "gradient_checkpointing",
+    "test_padding_memory:checks",
+    "fsdp2_precision_worker:checks",
+    "fsdp2_moe_merge_worker:checks",
+    "bf16_adapters",
+    "same_weights",
+    "shared_output_dir",
+    "sampling_streams",
+]
+
+
+def passed(run: subprocess.CompletedProcess, check: str) -> None:
+    """``check`` of `TWO_PROCESS_CHECKS` printed its OK on both ranks (else: its traceback, or the one that ended
+    the processes before it)."""
+    ok = run.stdout.count(f"{check} OK")
+    assert ok == 2, f"{check}: OK on {ok} of 2 ranks\n{run.stdout[-4000:]}\n{run.stderr[-6000:]}"
+
+
 def vllm_workers(workers: list[str], out_dir: Path, timeout: int = 600) -> dict[str, dict | str]:
     """``python tests/vllm_workers.py`` running each of ``workers`` (scripts with ``main(out)``, an in-process vLLM
     engine each) one after another in one process: the engines are built afresh, the ~10 s of imports paid once.
