@@ -526,9 +526,14 @@ def main(cfg: RecipeConfig) -> None:
         exit_finished(128 + signum)
 
 
-if __name__ == "__main__":
+def run_and_exit(cfg: RecipeConfig) -> None:
+    """`main`, then the process's end: its exit code and last line (tests/recipe_forks.py calls it in a fork)."""
     try:
-        main(CONFIG)
+        main(cfg)
     except ServerError as err:  # the server went away mid-run: one line from each rank that waited on it
         exit_with_line(err, 1, every_rank=True)
     exit_finished()
+
+
+if __name__ == "__main__":
+    run_and_exit(CONFIG)

@@ -1,9 +1,11 @@
 """Launching the GRPO recipe as a user does (`accelerate launch`, 2 processes, FSDP2 on gloo) on a small run."""
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,21 +67,34 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
+_forks: subprocess.Popen | None = None
+
+
 def run_recipe(output_dir: Path, *overrides: str, offline: bool = True, config: str = "tiny_cpu.yaml"):
-    """The recipe as one plain process (no launcher), on the embedded default's config: for refusals before any work."""
-    env = launch_env()
+    """The recipe as one plain process (no launcher), on the embedded default's config: for refusals, and for runs
+    of one process. Each is a fork of tests/recipe_forks.py's process, which holds the recipe's imports (~8 s each
+    otherwise); ``offline=False`` (HF_HUB_OFFLINE unset: read at import time) is a process of its own."""
+    global _forks
+    argv = ["--config", str(ROOT / "recipes" / "configs" / config), f"output_dir={output_dir}", "run_name=run"]
+    argv += overrides
     if not offline:
+        env = launch_env()
         env.pop("HF_HUB_OFFLINE")
-    command = [
-        sys.executable,
-        str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
-        "--config",
-        str(ROOT / "recipes" / "configs" / config),
-        f"output_dir={output_dir}",
-        "run_name=run",
-        *overrides,
-    ]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py"), *argv]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if _forks is None or _forks.poll() is not None:
+        env = {**launch_env(), "PYTHONPATH": f"{ROOT / 'recipes'}{os.pathsep}{launch_env()['PYTHONPATH']}"}
+        command = [sys.executable, str(ROOT / "tests" / "recipe_forks.py")]
+        _forks = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        atexit.register(_forks.kill)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        request = dict(argv=argv, stdout=str(out), stderr=str(err), timeout=300)
+        _forks.stdin.write(json.dumps(request) + "\n")
+        _forks.stdin.flush()
+        answer = _forks.stdout.readline()
+        assert answer, "tests/recipe_forks.py ended"
+        return subprocess.CompletedProcess(["grpo_qwen3_4b.py", *argv], int(answer), out.read_text(), err.read_text())
 
 
 def read_lines(output_dir: Path) -> list[dict]:
