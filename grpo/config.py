@@ -61,8 +61,9 @@ class ModelSettings:
     build_tiny: str | None = setting(
         None,
         "build the embedded default of this size into name_or_path if absent (tiny-tools: the tool-use task's "
-        "model, grpo/tasks/tiny_tools.py; tiny-key-chain: the key-chain task's, grpo/tasks/tiny_key_chain.py)",
-        choices=("tiny", "small", "tiny-moe", "tiny-tools", "tiny-key-chain"),
+        "model, grpo/tasks/tiny_tools.py; tiny-key-chain: the key-chain task's, grpo/tasks/tiny_key_chain.py; "
+        "tiny-guess: guess-the-number's, grpo/tasks/tiny_guess.py)",
+        choices=("tiny", "small", "tiny-moe", "tiny-tools", "tiny-key-chain", "tiny-guess"),
     )
     build_seed: int = setting(0, "seed of the embedded default's build", range=">= 0")
 
@@ -72,7 +73,8 @@ class DataSettings:
     name: str = setting(
         "openai/gsm8k",
         "hub id or local path, or 'generated' for the embedded GSM8K-style problems ('generated-tools': the tool "
-        "task's products, 'generated-key-chain': grpo/tasks/key_chain.py's chains)",
+        "task's products, 'generated-key-chain': grpo/tasks/key_chain.py's chains, 'generated-guess': "
+        "grpo/tasks/guess_number.py's games)",
         range="a hub id, a local path or 'generated'",
     )
     config_name: str | None = setting("main", "the dataset's config name", range="a dataset config name or null")

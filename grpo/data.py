@@ -78,6 +78,10 @@ def load_problems(cfg: RecipeConfig, split: str | None = None) -> list[dict]:
         from grpo.tasks.key_chain import make_key_chain_problems
 
         return make_key_chain_problems(cfg.data.num_generated, hops=cfg.data.key_chain_hops, seed=seed)
+    if cfg.data.name == "generated-guess":
+        from grpo.tasks.guess_number import make_guess_problems
+
+        return make_guess_problems(cfg.data.num_generated, seed=seed)
     from datasets import load_dataset
 
     local = Path(cfg.data.name)

@@ -1,0 +1,127 @@
+"""Guess-the-number's rules, data and reward (grpo/tasks/guess_number.py); no model, no engine."""
+
+import math
+
+import pytest
+
+from grpo.config import load_config
+from grpo.data import load_problems, reward_columns
+from grpo.episodes.environments import EnvironmentCaller, load_environment
+from grpo.tasks.guess_number import (
+    MAX_GUESSES,
+    SHAPING,
+    GuessNumber,
+    guess_number_reward,
+    make_guess_problems,
+    narrowing_reward,
+)
+
+
+def started(seed: int) -> GuessNumber:
+    game = GuessNumber()
+    assert game.reset(seed=seed, **make_guess_problems(1)[0]) is None
+    return game
+
+
+def binary_search(game: GuessNumber) -> list[tuple[int, str, float]]:
+    """Guess each interval's midpoint until the secret is found: (guess, feedback, step reward) per guess."""
+    low, high, steps = 0, 63, []
+    while True:
+        number = (low + high) // 2
+        feedback, reward = game.guess(number)
+        steps.append((number, feedback, reward))
+        if feedback.startswith("correct"):
+            return steps
+        low, high = (int(x) for x in feedback.split(": ")[1].split(" to "))
+
+
+def test_the_group_seed_decides_the_secret():
+    """One seed, one secret, whichever instance draws it (a group's episodes chase one number); other seeds others."""
+    assert {started(7).secret for _ in range(4)} == {started(7).secret}
+    secrets = {started(seed).secret for seed in range(200)}
+    assert secrets <= set(range(64)) and len(secrets) > 50
+
+
+def test_feedback_gives_the_interval_left_and_binary_search_finds_every_secret_in_the_budget():
+    game = started(0)
+    game.secret = 40
+    assert game.guess(31) == ("higher: 32 to 63", pytest.approx(narrowing_reward(64, 32)))
+    assert game.guess(50)[0] == "lower: 32 to 49"
+    assert game.guess(10)[0] == "higher: 32 to 49"  # a guess outside the interval narrows nothing
+    assert game.guess(40)[0] == "correct: 40" and game.found
+    turns = []
+    for secret in range(64):
+        game = started(0)
+        game.secret = secret
+        steps = binary_search(game)
+        assert steps[0][0] == 31 and game.found
+        turns.append(len(steps))
+        # potential-based shaping: the guesses' rewards sum to SHAPING for every secret found, whatever the path
+        assert sum(r for _, _, r in steps) == pytest.approx(SHAPING)
+    assert max(turns) == 7 <= MAX_GUESSES and sum(turns) / 64 > 5  # 6 or more turns with the answer, in general
+
+
+def test_the_step_reward_credits_informative_guesses_and_cannot_be_farmed():
+    """A midpoint earns a sixth of SHAPING, a guess at the interval's end almost nothing, one outside it nothing;
+    eight guesses creeping up from 0 earn less than a binary search's first three."""
+    assert narrowing_reward(64, 32) == pytest.approx(SHAPING / 6)
+    game = started(0)
+    game.secret = 63
+    assert game.guess(0)[1] == pytest.approx(SHAPING * math.log2(64 / 63) / 6)
+    assert game.guess(0)[1] == 0.0
+    creeping = started(0)
+    creeping.secret = 63
+    crept = sum(creeping.guess(n)[1] for n in range(MAX_GUESSES))
+    assert not creeping.found and crept < 3 * SHAPING / 6
+
+
+def test_bad_moves_are_the_models_errors_and_the_budget_is_enforced():
+    """Each bad move raises ValueError naming it: an error result in the episode (grpo.episodes.environments), the
+    environment's state unchanged."""
+    game = started(3)
+    for bad, words in [(64, "64 is not from 0 to 63"), (-1, "-1 is not from 0 to 63"), ("31", "integer")]:
+        with pytest.raises(ValueError, match=words):
+            game.guess(bad)
+    assert game.guesses == 0
+    wrong = (game.secret + 1) % 64
+    for _ in range(MAX_GUESSES):
+        game.guess(wrong)
+    with pytest.raises(ValueError, match="no guesses left: all 8 were used"):
+        game.guess(game.secret)
+    assert not game.found
+    found = started(3)
+    found.guess(found.secret)
+    with pytest.raises(ValueError, match="found already"):
+        found.guess(found.secret)
+
+
+def test_through_the_recipes_environment_loader_and_caller():
+    """The recipe describes guess(number: int) to the model, converts the model's JSON arguments to int, and takes
+    its (observation, reward) as the turn's text and step reward; a bad move is an error result, not a failure."""
+    environment = load_environment("grpo.tasks.guess_number:GuessNumber")
+    assert environment.method_names == ["guess"]
+    game = started(11)
+    game.secret = 5
+    caller = EnvironmentCaller(
+        environment.tools_of(game), 10.0, 1000, described={f.__name__: f for f in environment.described}
+    )
+    results = caller.run(
+        [{"name": "guess", "arguments": {"number": 31}}, {"name": "guess", "arguments": {"number": 99}}]
+    )
+    assert results[0][1] == "lower: 0 to 30" and caller.step_rewards == [pytest.approx(narrowing_reward(64, 31))]
+    assert "99 is not from 0 to 63" in results[1][1] and game.guesses == 1
+
+
+def test_the_outcome_reward_and_the_data():
+    """1.0 for a found secret, 0.0 otherwise, None for a failed episode (no instance); the rows of data.name
+    generated-guess, the held-out split's prompts other than the training split's."""
+    found, lost = started(1), started(2)
+    found.guess(found.secret)
+    assert guess_number_reward(["", "", ""], environments=[found, lost, None]) == [1.0, 0.0, None]
+    assert reward_columns(guess_number_reward) == []
+    cfg = load_config(None, ["data.name=generated-guess", "data.num_generated=300"])
+    rows = load_problems(cfg)
+    assert len(rows) == 300 and rows == load_problems(cfg)
+    assert all(f"Game {row['game']}: find my number from 0 to 63" in row["question"] for row in rows)
+    held_out = {row["question"] for row in load_problems(cfg, "test")}
+    assert len(held_out - {row["question"] for row in rows}) > 290
