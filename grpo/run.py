@@ -179,6 +179,7 @@ def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
     """Build the embedded default model if asked (rank 0; the others wait); refuse a model path that is absent."""
     if cfg.model.build_tiny:
         from grpo.tasks.tiny_gsm8k import build_tiny_model
+        from grpo.tasks.tiny_guess import build_guess_model
         from grpo.tasks.tiny_key_chain import build_key_chain_model
         from grpo.tasks.tiny_tools import build_tool_model
 
@@ -188,6 +189,8 @@ def prepare_model_path(cfg: RecipeConfig, rank: int) -> None:
             build_tool_model(cfg.model.name_or_path, seed=cfg.model.build_seed, build=rank == 0)
         elif cfg.model.build_tiny == "tiny-key-chain":
             build_key_chain_model(cfg.model.name_or_path, seed=cfg.model.build_seed, build=rank == 0)
+        elif cfg.model.build_tiny == "tiny-guess":
+            build_guess_model(cfg.model.name_or_path, seed=cfg.model.build_seed, build=rank == 0)
         else:
             size = cfg.model.build_tiny
             build_tiny_model(cfg.model.name_or_path, size=size, seed=cfg.model.build_seed, build=rank == 0)

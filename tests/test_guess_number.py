@@ -1,6 +1,7 @@
 """Guess-the-number's rules, data and reward (grpo/tasks/guess_number.py); no model, no engine."""
 
 import math
+import random
 
 import pytest
 
@@ -125,3 +126,35 @@ def test_the_outcome_reward_and_the_data():
     assert all(f"Game {row['game']}: find my number from 0 to 63" in row["question"] for row in rows)
     held_out = {row["question"] for row in load_problems(cfg, "test")}
     assert len(held_out - {row["question"] for row in rows}) > 290
+
+
+def test_the_env_config_fits_the_longest_game_in_its_budget():
+    """recipes/configs/tiny_cpu_env.yaml: the shipped model's environment, data and reward; a game of all 8 guesses
+    (the most the environment takes) and the answer, as the warm-up writes it, fits max_completion_length with the
+    shipped tokenizer, and its prompt data.max_prompt_length; every number a guess can be is one token."""
+    from transformers import AutoTokenizer
+
+    from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS
+    from grpo.tasks.tiny_guess import near_an_end, tools
+
+    cfg = load_config("recipes/configs/tiny_cpu_env.yaml")
+    assert cfg.environment_factory == "grpo.tasks.guess_number:GuessNumber" and cfg.advantage == "episode"
+    assert cfg.data.name == "generated-guess" and cfg.model.build_tiny == "tiny-guess"
+    assert cfg.max_tool_calling_iterations == MAX_GUESSES and cfg.model.dtype == "float32"
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODELS / "tiny-qwen3-guess")
+    game = started(0)
+    game.secret = 62
+    conversation = [{"role": "user", "content": make_guess_problems(1, seed=4)[0]["question"]}]
+    while game.guesses < MAX_GUESSES:
+        number = near_an_end(game.low, game.low + 3, random.Random(game.guesses)) if game.guesses else 31
+        call = {"type": "function", "function": {"name": "guess", "arguments": {"number": number}}}
+        conversation += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "guess", "content": game.guess(number)[0]},
+        ]
+    assert not game.found
+    conversation.append({"role": "assistant", "content": "#### 60"})
+    prompt = tokenizer.apply_chat_template(conversation[:1], tools=tools(), add_generation_prompt=True)["input_ids"]
+    whole = tokenizer.apply_chat_template(conversation, tools=tools())["input_ids"]
+    assert len(prompt) <= cfg.data.max_prompt_length and len(whole) - len(prompt) <= cfg.max_completion_length
+    assert all(len(tokenizer(str(n), add_special_tokens=False).input_ids) == 1 for n in range(64))

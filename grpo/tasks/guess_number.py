@@ -49,6 +49,7 @@ class GuessNumber:
         self.low, self.high = LOWEST, HIGHEST
         self.guesses = 0
         self.found = False
+        self.moves: list[tuple[int, int, int]] = []  # (low, high, guess): each guess and the interval it was made in
         return None
 
     def guess(self, number: int) -> tuple[str, float]:
@@ -66,6 +67,7 @@ class GuessNumber:
         if self.guesses >= MAX_GUESSES:
             raise ValueError(f"no guesses left: all {MAX_GUESSES} were used")
         self.guesses += 1
+        self.moves.append((self.low, self.high, number))
         before = self.high - self.low + 1
         if number == self.secret:
             self.found, self.low, self.high = True, number, number

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from grpo.provenance import cpu_kind, package_versions
-from grpo.tasks import tiny_gsm8k, tiny_tools
+from grpo.tasks import tiny_gsm8k, tiny_guess, tiny_tools
 from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS, all_cores
 
-BUILDERS = {"tiny-qwen3-gsm8k": tiny_gsm8k, "tiny-qwen3-tools": tiny_tools}
+BUILDERS = {"tiny-qwen3-gsm8k": tiny_gsm8k, "tiny-qwen3-tools": tiny_tools, "tiny-qwen3-guess": tiny_guess}
 
 
 def replay(name: str) -> dict:
