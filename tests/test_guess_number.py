@@ -158,3 +158,22 @@ def test_the_env_config_fits_the_longest_game_in_its_budget():
     whole = tokenizer.apply_chat_template(conversation, tools=tools())["input_ids"]
     assert len(prompt) <= cfg.data.max_prompt_length and len(whole) - len(prompt) <= cfg.max_completion_length
     assert all(len(tokenizer(str(n), add_special_tokens=False).input_ids) == 1 for n in range(64))
+
+
+def test_the_builds_defaults_copy_the_shipped_model_without_training(tmp_path, monkeypatch):
+    """model.build_tiny: tiny-guess builds with the builder's defaults: they are the shipped build's arguments, so a
+    fresh clone copies models/tiny-qwen3-guess byte for byte; other arguments train (the control)."""
+    import grpo.tasks.tiny_guess
+    from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("trained although a shipped build matches")
+
+    monkeypatch.setattr(grpo.tasks.tiny_guess, "_warm_up", refuse)
+    out = tmp_path / "guess"
+    assert grpo.tasks.tiny_guess.build_guess_model(out) == str(out)
+    shipped = SHIPPED_MODELS / "tiny-qwen3-guess"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in shipped.iterdir())
+    with pytest.raises(AssertionError, match="trained although"):
+        grpo.tasks.tiny_guess.build_guess_model(tmp_path / "other", midpoint_rate=0.9, warmup_steps=2, batch_size=2)
