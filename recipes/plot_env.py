@@ -72,6 +72,8 @@ def mode_row(mode: str, runs: list[dict]) -> dict:
         row[f"success_{what}_error"] = [e for _, e in stats]
         row[f"success_{what}_first"], row[f"success_{what}_first_error"] = stats[0]
         row[f"success_{what}_last"], row[f"success_{what}_last_error"] = stats[-1]
+        for step, (mean, error) in zip(steps, stats):
+            row[f"success_{what}_at_{step}"], row[f"success_{what}_at_{step}_error"] = mean, error
     row["max_turn_logprob_diff"] = max(r["max_turn_logprob_diff"] for r in runs)
     row["max_ratio_onpolicy_maxdev"] = max(r["max_ratio_onpolicy_maxdev"] for r in runs)
     return row
