@@ -24,6 +24,8 @@ from grpo.qwen3_4b_shape import QWEN3_4B, qwen3_4b_config
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k.yaml"
 QWEN_TOOLS_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_tools.yaml"  # the same GPUs, multi-turn with a tool
+QWEN_PYTHON_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k_python.yaml"  # the same, the sandboxed python tool
+QWEN_CONFIGS = dict(gsm8k=QWEN_CONFIG, tools=QWEN_TOOLS_CONFIG, python=QWEN_PYTHON_CONFIG)
 
 
 def engine_args(cfg, device_type: str) -> dict:
@@ -51,7 +53,7 @@ def test_sleep_mode_on_cpu_is_refused_by_name():
         engine_kwargs("m", **engine_args(cfg, "cpu"))
 
 
-@pytest.mark.parametrize("config", [QWEN_CONFIG, QWEN_TOOLS_CONFIG], ids=["gsm8k", "tools"])
+@pytest.mark.parametrize("config", list(QWEN_CONFIGS.values()), ids=list(QWEN_CONFIGS))
 def test_kv_cache_size_of_the_qwen_config_holds_its_rollout(config):
     cfg = load_config(config)  # a tool episode's tokens, tool results included, count in max_completion_length
     c = qwen3_4b_config()
@@ -280,7 +282,7 @@ def test_the_contract_catches_a_generation_with_the_engine_asleep(monkeypatch, t
 
 
 # ----------------------------------------------------------------------------- memory plan at Qwen3-4B's size
-@pytest.mark.parametrize("config", [QWEN_CONFIG, QWEN_TOOLS_CONFIG], ids=["gsm8k", "tools"])
+@pytest.mark.parametrize("config", list(QWEN_CONFIGS.values()), ids=list(QWEN_CONFIGS))
 def test_memory_plan_of_the_qwen_config_on_one_and_eight_gpus(config):
     cfg = load_config(config)
     one, eight = memory_plan(qwen3_4b_config(), cfg, world=1), memory_plan(qwen3_4b_config(), cfg, world=8)

@@ -3,6 +3,7 @@ training template as TRL's GRPOTrainer does, a template with no training version
 template's keyword arguments (`data.chat_template_kwargs`) the same for the prompt and every tool response. On the
 embedded tool model's tokenizer with Qwen3's thinking tokens added (its ids unchanged)."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from grpo.config import ConfigError, load_config
 from grpo.data import tokenize_prompts
 from grpo.episodes.formats import Renderer
 from grpo.episodes.loop import ToolEngine
+from grpo.episodes.parsers import make_parser
 from grpo.episodes.templates import use_prefix_preserving_template
+from grpo.episodes.tools import ToolCaller, load_tools
 from grpo.tasks.tiny_tools import _warm_up, make_tool_problems, tool_conversation
 from grpo.tasks.tool_functions import calculator
 
@@ -25,6 +28,7 @@ TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 THINK_TOKENS = ["<think>", "</think>"]  # Qwen3's, added (not special) as Qwen3's tokenizer has them
 WARM_UP_STEPS = 24
 TOOL_RESULT = [{"role": "tool", "name": "calculator", "content": "1776"}]
+QWEN3_PYTHON_CONFIG = ROOT / "recipes" / "configs" / "qwen3_4b_gsm8k_python.yaml"
 
 
 def with_qwen3_template(tokenizer):
@@ -90,6 +94,35 @@ def test_every_tool_response_ends_as_the_prompt_does(qwen3_tokenizer, thinking):
     header = encode(qwen3_tokenizer, "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
     assert row["prompt_ids"][-len(header) :] == header
     assert suffix[-len(header) :] == header
+
+
+def test_the_qwen3_python_config_reads_and_runs_a_program_written_in_qwen3s_tool_format(qwen3_tokenizer):
+    """recipes/configs/qwen3_4b_gsm8k_python.yaml's start-up on Qwen3's template (TRL's shipped one, which Qwen3-4B's
+    tokenizer carries), as far as it goes without the weights: its tool loads, TRL's training template replaces
+    Qwen3's, the parser is TRL's Qwen3 response template, the prompt lists the tool under the config's system prompt.
+    Then a multi-line program written as Qwen3 writes a call (its arguments as JSON) is read back and run by the
+    sandbox under the config's tool_calling limits, its output the call's result; a failing program's, an error
+    result. The stand-in tokenizer is not Qwen3's, so the prompt's length is not held to data.max_prompt_length."""
+    cfg = load_config(QWEN3_PYTHON_CONFIG, ["data.max_prompt_length=4096"])
+    tools = load_tools(cfg.tools)
+    assert [tool.__name__ for tool in tools] == ["python"]
+    use_prefix_preserving_template(qwen3_tokenizer, tools, cfg.data.chat_template_kwargs, cfg.model.name_or_path)
+    assert qwen3_tokenizer.chat_template == (TRL_TEMPLATES / "qwen3_training.jinja").read_text()
+    parser = make_parser(cfg.tool_calling.parser, qwen3_tokenizer, tools)
+    assert parser.name == "trl"
+    question = "Janet's ducks lay 16 eggs a day. She eats 3 and bakes with 4, and sells the rest at $2. How much?"
+    (row,) = tokenize_prompts(cfg, qwen3_tokenizer, [{"question": question}], tools=tools)
+    assert cfg.data.system_prompt in row["prompt"] and '"name": "python"' in row["prompt"] and question in row["prompt"]
+
+    code = "eggs = 16 - 3 - 4\nprint(eggs * 2)"
+    call = json.dumps({"name": "python", "arguments": {"code": code}})  # the template's own rendering of a call
+    turn = encode(qwen3_tokenizer, f"<tool_call>\n{call}\n</tool_call><|im_end|>")
+    calls = parser.calls(turn, history_ids=row["prompt_ids"])
+    assert calls == [{"name": "python", "arguments": {"code": code}}]
+    caller = ToolCaller({"python": tools[0]}, cfg.tool_calling.timeout_s, cfg.tool_calling.max_output_chars)
+    assert caller.run(calls) == [("python", "18\n", False)]
+    [(_, result, failed)] = caller.run([{"name": "python", "arguments": {"code": "print(16 // 0)"}}])
+    assert failed and "ZeroDivisionError" in result  # a program that fails is the model's error result
 
 
 def qwen3_templated_model(out_dir: Path) -> str:

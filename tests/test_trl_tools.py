@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from trl_helpers import completion_logprobs, randomize_lora_b, record_syncs, short_recipe_argv  # noqa: E402
+from trl_helpers import EpisodeScores, randomize_lora_b, record_syncs, short_recipe_argv  # noqa: E402
 
 from merge.trl import MergedLoraSync  # noqa: E402
 
@@ -24,35 +24,6 @@ def recipe_argv(out: Path, model: str) -> list[str]:
     """recipes/configs/trl_tiny_cpu_tools.yaml, shortened: 2 rollouts of 16 episodes (4 prompts x 4), a dense reward
     besides (the short warm-up's model is never exactly right: the adapter still moves)."""
     return short_recipe_argv("trl_tiny_cpu_tools.yaml", out, model, "tools", "--max_steps", "4")
-
-
-class EpisodeScores:
-    """Stands in for the trainer's ``_generate`` (on the instance): each episode it returns (prompt ids, completion
-    ids, ``tool_mask``, messages, vLLM's per-token log-probs) is scored by the trainer's model with its adapter and
-    without it. Kept per model token (``tool_mask`` 1): |vLLM - trainer|, |vLLM - base model| and whether a tool
-    result came before it; and the tool messages TRL appended."""
-
-    def __init__(self, trainer):
-        self.generate, self.model = trainer._generate, trainer.model
-        self.adapter, self.base, self.after_tool = [], [], []
-        self.tool_calls = 0
-
-    def __call__(self, prompts):
-        output = self.generate(prompts)
-        prompt_ids, completion_ids, tool_mask, completions, logprobs = output[:5]
-        for prompt, completion, mask, messages, sampled in zip(
-            prompt_ids, completion_ids, tool_mask, completions, logprobs
-        ):
-            mask = torch.tensor(mask, dtype=torch.bool)
-            sampled = torch.tensor(sampled, dtype=torch.float32)[mask]
-            with_adapter = completion_logprobs(self.model, list(prompt), list(completion))[mask]
-            with self.model.disable_adapter():
-                without = completion_logprobs(self.model, list(prompt), list(completion))[mask]
-            self.adapter.append((sampled - with_adapter).abs())
-            self.base.append((sampled - without).abs())
-            self.after_tool.append((torch.cumsum(~mask, 0) > 0)[mask])
-            self.tool_calls += sum(message["role"] == "tool" for message in messages)
-        return output
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +60,8 @@ def test_trl_tool_episodes_sample_with_the_trainers_logprobs_on_every_turn(tool_
     assert any(not torch.equal(syncs[0].lora[n], syncs[1].lora[n]) for n in syncs[1].lora), "the adapter never moved"
 
     scores = tool_run.scores
-    adapter, base, after_tool = (torch.cat(x) for x in (scores.adapter, scores.base, scores.after_tool))
+    adapter, base, turns = (torch.cat(x) for x in (scores.adapter, scores.base, scores.turns))
+    after_tool = turns > 1
     print(
         f"{len(scores.adapter)} episodes, {scores.tool_calls} tool calls, {adapter.numel()} model tokens "
         f"({int(after_tool.sum())} after a tool result): |vLLM - trainer| mean {adapter.mean():.2e} (after a tool "

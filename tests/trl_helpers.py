@@ -1,5 +1,6 @@
-"""Shared by tests/test_trl_integration.py and tests/trl_fsdp2_worker.py: TRL's vLLM client without a network,
-the expected merged weights, a parameter digest, per-sequence log-probs, a random adapter and a dense reward."""
+"""Shared by the TRL tests (tests/test_trl_*.py) and tests/trl_fsdp2_worker.py: TRL's vLLM client without a network,
+the expected merged weights, a parameter digest, per-sequence log-probs, a random adapter, a dense reward and the
+trainer's scores of every multi-turn episode TRL generates."""
 
 from __future__ import annotations
 
@@ -167,3 +168,51 @@ def short_recipe_argv(config: str, out: Path, model: str, run_name: str, *overri
         "trl_helpers:digit_fraction_reward",
         *overrides,
     ]
+
+
+def turn_numbers(tool_mask: torch.Tensor) -> torch.Tensor:
+    """Each completion token's turn (1, 2, ...) from TRL's ``tool_mask`` (1: the model's token, 0: a tool result's):
+    one more than the tool results that came before it."""
+    tool = ~tool_mask
+    result_starts = tool & torch.cat([torch.tensor([True]), ~tool[:-1]])
+    return 1 + torch.cumsum(result_starts.long(), 0)
+
+
+class EpisodeScores:
+    """Stands in for the trainer's ``_generate`` (on the instance): each episode it returns (prompt ids, completion
+    ids, ``tool_mask``, messages, vLLM's per-token log-probs) is scored by the trainer's model with its adapter and
+    without it, one unpadded sequence at a time. Kept per model token (``tool_mask`` 1): vLLM's log-prob,
+    |vLLM - trainer|, |vLLM - base model| and its turn (`turn_numbers`); and the tool messages TRL appended."""
+
+    def __init__(self, trainer):
+        self.generate, self.model = trainer._generate, trainer.model
+        self.sampled, self.adapter, self.base, self.turns = [], [], [], []
+        self.tool_calls = 0
+
+    def __call__(self, prompts):
+        output = self.generate(prompts)
+        prompt_ids, completion_ids, tool_mask, completions, logprobs = output[:5]
+        if tool_mask is None:  # no tools: every completion token is the model's, in one turn
+            tool_mask = [[1] * len(ids) for ids in completion_ids]
+        for prompt, completion, mask, messages, sampled in zip(
+            prompt_ids, completion_ids, tool_mask, completions, logprobs
+        ):
+            mask = torch.tensor(mask, dtype=torch.bool)
+            sampled = torch.tensor(sampled, dtype=torch.float32)[mask]
+            with_adapter = completion_logprobs(self.model, list(prompt), list(completion))[mask]
+            with self.model.disable_adapter():
+                without = completion_logprobs(self.model, list(prompt), list(completion))[mask]
+            self.sampled.append(sampled)
+            self.adapter.append((sampled - with_adapter).abs())
+            self.base.append((sampled - without).abs())
+            self.turns.append(turn_numbers(mask)[mask])
+            self.tool_calls += sum(message["role"] == "tool" for message in messages)
+        return output
+
+    def per_turn(self, relative: bool = False) -> dict[int, tuple[float, int]]:
+        """Mean |vLLM - trainer| and model tokens of each turn, over every episode scored; ``relative``: each token's
+        |vLLM - trainer| over max(1, |its log-prob|)."""
+        diff, turns = torch.cat(self.adapter), torch.cat(self.turns)
+        if relative:
+            diff = diff / torch.cat(self.sampled).abs().clamp(min=1.0)
+        return {int(t): (diff[turns == t].mean().item(), int((turns == t).sum())) for t in turns.unique()}
