@@ -81,4 +81,4 @@ def two_process_checks(tmp_path_factory, tiny_model):
     (tmp / "sampling_streams" / "model").symlink_to(tiny_model)
     checks = ",".join(TWO_PROCESS_CHECKS)
     # RSS follows the live tensors: the memory checks compare peaks
-    return torchrun("distributed_checks.py", checks, str(tmp), check=False, MALLOC_MMAP_THRESHOLD_="65536")
+    return torchrun("distributed_checks.py", checks, str(tmp), MALLOC_MMAP_THRESHOLD_="65536")

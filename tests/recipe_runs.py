@@ -83,7 +83,8 @@ def run_recipe(output_dir: Path, *overrides: str, offline: bool = True, config: 
         command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py"), *argv]
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if _forks is None or _forks.poll() is not None:
-        env = {**launch_env(), "PYTHONPATH": f"{ROOT / 'recipes'}{os.pathsep}{launch_env()['PYTHONPATH']}"}
+        env = launch_env()
+        env["PYTHONPATH"] = f"{ROOT / 'recipes'}{os.pathsep}{env['PYTHONPATH']}"
         command = [sys.executable, str(ROOT / "tests" / "recipe_forks.py")]
         _forks = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         atexit.register(_forks.kill)

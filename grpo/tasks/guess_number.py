@@ -47,10 +47,13 @@ class GuessNumber:
     def reset(self, seed: int | None = None, **row) -> None:
         self.secret = random.Random(seed).randint(LOWEST, HIGHEST)
         self.low, self.high = LOWEST, HIGHEST
-        self.guesses = 0
         self.found = False
         self.moves: list[tuple[int, int, int]] = []  # (low, high, guess): each guess and the interval it was made in
         return None
+
+    @property
+    def guesses(self) -> int:
+        return len(self.moves)
 
     def guess(self, number: int) -> tuple[str, float]:
         """Guess the secret number.
@@ -66,7 +69,6 @@ class GuessNumber:
             raise ValueError(f"the number was found already: {self.secret}")
         if self.guesses >= MAX_GUESSES:
             raise ValueError(f"no guesses left: all {MAX_GUESSES} were used")
-        self.guesses += 1
         self.moves.append((self.low, self.high, number))
         before = self.high - self.low + 1
         if number == self.secret:
