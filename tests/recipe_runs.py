@@ -67,35 +67,43 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
-_forks: subprocess.Popen | None = None
+_forks: dict[str, subprocess.Popen] = {}
+
+
+def forked_run(argv: list[str], timeout: int, launch_config: Path | None = None) -> subprocess.CompletedProcess:
+    """The recipe with ``argv`` in forks of tests/recipe_forks.py's process for its kind of run (one per pytest run,
+    which holds the recipe's imports): one process, or with ``launch_config`` the processes of ``accelerate launch
+    --config_file launch_config``."""
+    kind = [] if launch_config is None else ["--launch", str(launch_config)]
+    forks = _forks.get(str(launch_config))
+    if forks is None or forks.poll() is not None:
+        env = launch_env()
+        env["PYTHONPATH"] = f"{ROOT / 'recipes'}{os.pathsep}{env['PYTHONPATH']}"
+        command = [sys.executable, str(ROOT / "tests" / "recipe_forks.py"), *kind]
+        forks = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        _forks[str(launch_config)] = forks
+        atexit.register(forks.kill)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        forks.stdin.write(json.dumps(dict(argv=argv, stdout=str(out), stderr=str(err), timeout=timeout)) + "\n")
+        forks.stdin.flush()
+        answer = forks.stdout.readline()
+        assert answer, "tests/recipe_forks.py ended"
+        return subprocess.CompletedProcess(["grpo_qwen3_4b.py", *argv], int(answer), out.read_text(), err.read_text())
 
 
 def run_recipe(output_dir: Path, *overrides: str, offline: bool = True, config: str = "tiny_cpu.yaml"):
     """The recipe as one plain process (no launcher), on the embedded default's config: for refusals, and for runs
-    of one process. Each is a fork of tests/recipe_forks.py's process, which holds the recipe's imports (~8 s each
-    otherwise); ``offline=False`` (HF_HUB_OFFLINE unset: read at import time) is a process of its own."""
-    global _forks
+    of one process. Each is a fork (`forked_run`: the imports take ~8 s a process otherwise); ``offline=False``
+    (HF_HUB_OFFLINE unset: read at import time) is a process of its own."""
     argv = ["--config", str(ROOT / "recipes" / "configs" / config), f"output_dir={output_dir}", "run_name=run"]
     argv += overrides
-    if not offline:
-        env = launch_env()
-        env.pop("HF_HUB_OFFLINE")
-        command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py"), *argv]
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if _forks is None or _forks.poll() is not None:
-        env = launch_env()
-        env["PYTHONPATH"] = f"{ROOT / 'recipes'}{os.pathsep}{env['PYTHONPATH']}"
-        command = [sys.executable, str(ROOT / "tests" / "recipe_forks.py")]
-        _forks = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        atexit.register(_forks.kill)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        request = dict(argv=argv, stdout=str(out), stderr=str(err), timeout=300)
-        _forks.stdin.write(json.dumps(request) + "\n")
-        _forks.stdin.flush()
-        answer = _forks.stdout.readline()
-        assert answer, "tests/recipe_forks.py ended"
-        return subprocess.CompletedProcess(["grpo_qwen3_4b.py", *argv], int(answer), out.read_text(), err.read_text())
+    if offline:
+        return forked_run(argv, timeout=300)
+    env = launch_env()
+    env.pop("HF_HUB_OFFLINE")
+    command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen3_4b.py"), *argv]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def read_lines(output_dir: Path) -> list[dict]:
@@ -119,13 +127,12 @@ def launch(
     config: str = "tiny_cpu.yaml",
     accelerate_config: Path = CPU_ACCELERATE_CONFIG,
 ):
-    """Run the recipe to the end; returns (the finished process, the metrics of its rollout steps)."""
-    proc = subprocess.run(
-        launch_command(output_dir, model, *overrides, config=config, accelerate_config=accelerate_config),
-        cwd=ROOT,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    """Run the recipe to the end under ``accelerate launch --config_file accelerate_config``; returns (the finished
+    process, the metrics of its rollout steps). With the CPU config the ranks are forks (`forked_run`) with the
+    launcher's environment; the tests of the launcher itself and of signals to it use `launch_command`."""
+    command = launch_command(output_dir, model, *overrides, config=config, accelerate_config=accelerate_config)
+    if accelerate_config == CPU_ACCELERATE_CONFIG:
+        proc = forked_run(command[command.index("--config") :], timeout=900, launch_config=accelerate_config)
+    else:
+        proc = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=900)
     return proc, read_metrics(output_dir)

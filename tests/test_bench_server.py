@@ -20,6 +20,7 @@ def test_bench_server_smallest_mode(tiny_model, tmp_path):
         "--reps",
         "1",
         "--no-adapter",
+        "--fork-engine",
         "--rank",
         "8",
         "--tiny-model",

@@ -107,7 +107,9 @@ def server(tiny_model, tmp_path_factory):
     """``vllm serve`` on the embedded model, lora_merge backend, 4 sequences at a time (generation takes long
     enough for updates to land in flight); yields (process, url, model path)."""
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = serve(tiny_model, log_path, kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=8192)
+    proc, url = serve(
+        tiny_model, log_path, kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=8192, fork_engine=True
+    )
     try:
         wait_until_up(proc, url, log_path)
         yield proc, url, tiny_model

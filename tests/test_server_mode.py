@@ -42,7 +42,13 @@ def serving(model: str, log_path: Path, **options):
     """A ``vllm serve`` subprocess on ``model`` (`bench_common.serve`), small enough for the tests; yields (url,
     model path) once it answers, stops it after."""
     proc, url = serve(
-        model, log_path, kv_cache_bytes=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=8192, **options
+        model,
+        log_path,
+        kv_cache_bytes=64 * 2**20,
+        max_num_seqs=16,
+        max_num_batched_tokens=8192,
+        fork_engine=True,
+        **options,
     )
     try:
         wait_until_up(proc, url, log_path)
