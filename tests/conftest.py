@@ -3,10 +3,11 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The embedded default model with a short warm-up (some rewards > 0), built once per pytest run."""
+    """The embedded default model as shipped (models/tiny-qwen3-gsm8k, copied: no build): some of its answers are
+    right, sampled and greedy."""
     from grpo.tasks.tiny_gsm8k import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", warmup_steps=60)
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="session")

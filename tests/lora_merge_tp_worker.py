@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 import torch
 from peft import LoraConfig, get_peft_model
 from qwen3_moe_lora import ATTENTION, EXPERTS, served_logprobs, tiny_cpu_llm
+from serve_forking import fork_engine_processes
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from vllm_moe_push_worker import hf_logprobs
 
@@ -75,6 +76,7 @@ def main(kind: str, tp: int, out_path: str, expert_parallel: bool) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(core % os.cpu_count()) for core in range(tp)))
     model_dir = tempfile.mkdtemp()
     tiny_model(model_dir, kind)
+    fork_engine_processes()  # the workers inherit this process's imports (OMP_NUM_THREADS=1: no threads to lose)
     llm = tiny_cpu_llm(
         model_dir,
         tensor_parallel_size=tp,
