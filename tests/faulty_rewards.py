@@ -17,10 +17,10 @@ def nan_on_rank0_second_call(completions, **kwargs) -> list[float]:
 
 def flat_for_two_steps(completions, **kwargs) -> list[float]:
     """The same reward for every completion in the first two rollout steps (zero advantages: no update), then one
-    that tells completions apart (their length's parity)."""
+    that tells the completions of every group apart whatever they say (their position's parity)."""
     global _calls
     _calls += 1
-    return [1.0 if _calls <= 2 else float(len(c) % 2) for c in completions]
+    return [1.0 if _calls <= 2 else float(i % 2) for i in range(len(completions))]
 
 
 def exact_answer_then_sigkill_rank0_in_sync(completions, answer, **kwargs) -> list[float]:
