@@ -1,15 +1,19 @@
 """The recipe's runs of the tests, each in forks of one process that has done the recipe's imports.
 
 `tests/recipe_runs.py` starts one such process per kind of run, once per pytest run, and sends it each run: one JSON
-line on stdin, {"argv": [...], "stdout": path, "stderr": path, "timeout": seconds}. This process forks, the children
-run the recipe as its command line would (`load_config_or_exit`, then `run_and_exit`) with their output in those
-files, and the exit code comes back as one line.
+line on stdin, {"argv": [...], "stdout": path, "stderr": path, "timeout": s, "cwd": path, "env": {...}} (the last
+two optional: the run's working directory, variables added to its environment). For each, this process forks a
+launcher, which leads a session of its own (as a launcher started with ``start_new_session``) and forks the ranks;
+they run the recipe as its command line would (`load_config_or_exit`, then `run_and_exit`) with their output in
+those files. Two lines come back: the launcher's pid (to signal the session: ``os.killpg``), then its exit code.
 
-- ``python tests/recipe_forks.py``: one child, as ``python recipes/grpo_qwen3_4b.py`` runs.
+- ``python tests/recipe_forks.py``: one rank, as ``python recipes/grpo_qwen3_4b.py`` runs; its own exit code.
 - ``python tests/recipe_forks.py --launch CONFIG``: the processes ``accelerate launch --config_file CONFIG`` starts,
   each with the environment the launcher gives its rank (read from a real launch of this script with
-  ``--environment``, before any import), their rendezvous on a free port hosted by rank 0 rather than the launcher;
-  as the launcher does, when one rank fails the others get SIGTERM, SIGKILL 30 s later, and the exit code is 1.
+  ``--environment``, before any import), their rendezvous on a free port hosted by rank 0 rather than the launcher.
+  As torchrun's agent: SIGTERM, SIGINT or SIGHUP to the launcher goes on to the ranks; when one rank fails the others
+  get SIGTERM; ranks still running 30 s after a SIGTERM get SIGKILL; the exit code is 0 when every rank succeeded,
+  else 1.
 
 The imports (torch, transformers, peft, vLLM: ~12 s a process on 2 CPU cores) are paid once; this process itself
 never computes, so it starts no threads for a child to inherit. Runs that need the environment at import time to
@@ -45,10 +49,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_in_child(recipe, request: dict, environment: dict | None) -> None:
-    if environment is not None:
-        os.environ.clear()
-        os.environ.update(environment)
+def run_rank(recipe, request: dict, environment: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(request.get("cwd") or os.getcwd())
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests stay this process's
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
@@ -64,31 +68,52 @@ def run_in_child(recipe, request: dict, environment: dict | None) -> None:
     os._exit(code)
 
 
-def wait_for(children: list[int], timeout: float) -> int:
-    """The children's exit code: one child's own; of the ranks, as the launcher gives it (0 when all succeed, else 1:
-    the first failure stops the others). A run past ``timeout`` is killed: -9."""
-    deadline, codes, kill_at = time.monotonic() + timeout, {}, None
+def run_launcher(recipe, request: dict, ranks: list[dict]) -> None:
+    """The launcher of one run (a session of its own): forks the ranks, passes signals on, exits as torchrun."""
+    os.setsid()
+    os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+    os.dup2(0, 1)  # this process's answers are the forking process's alone
+    port, codes, kill_at = free_port(), {}, None
+    deadline = time.monotonic() + request["timeout"]
+    errors = tempfile.mkdtemp()
+    children = []
+    for rank, environment in enumerate(ranks):
+        environment = {**environment, **request.get("env", {})}
+        if len(ranks) > 1:
+            environment.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
+            environment["TORCHELASTIC_ERROR_FILE"] = os.path.join(errors, f"{rank}.json")
+        if (child := os.fork()) == 0:
+            run_rank(recipe, request, environment)
+        children.append(child)
+
+    def stop(signum=signal.SIGTERM, frame=None):
+        nonlocal kill_at
+        kill_at = kill_at or time.monotonic() + STOP_GRACE_S
+        for pid in children:
+            if pid not in codes:
+                os.kill(pid, signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stop)
     while len(codes) < len(children):
         for pid in children:
             if pid not in codes and (status := os.waitpid(pid, os.WNOHANG))[0]:
                 codes[pid] = os.waitstatus_to_exitcode(status[1])
-        running = [pid for pid in children if pid not in codes]
         if kill_at is None and any(codes.values()):
-            kill_at = time.monotonic() + STOP_GRACE_S
-            for pid in running:
-                os.kill(pid, signal.SIGTERM)
+            stop()
         timed_out = time.monotonic() > deadline
         if timed_out or (kill_at is not None and time.monotonic() > kill_at):
-            for pid in running:
-                os.kill(pid, signal.SIGKILL)
+            for pid in children:
+                if pid not in codes:
+                    os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
     if timed_out:
-        return -signal.SIGKILL
-    return codes[children[0]] if len(children) == 1 else int(any(codes.values()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(codes[children[0]] if len(children) == 1 else int(any(codes.values())))
 
 
 def main() -> None:
-    ranks = [None]
+    ranks = [dict(os.environ)]
     if "--launch" in sys.argv:
         ranks = launcher_environments(sys.argv[sys.argv.index("--launch") + 1])
         os.environ.clear()
@@ -99,16 +124,10 @@ def main() -> None:
 
     for line in sys.stdin:
         request = json.loads(line)
-        port, children = free_port(), []
-        with tempfile.TemporaryDirectory() as errors:
-            for rank, environment in enumerate(ranks):
-                if environment is not None:
-                    environment = {**environment, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
-                    environment["TORCHELASTIC_ERROR_FILE"] = os.path.join(errors, f"{rank}.json")
-                if (child := os.fork()) == 0:
-                    run_in_child(recipe, request, environment)
-                children.append(child)
-            print(wait_for(children, request["timeout"]), flush=True)
+        if (launcher := os.fork()) == 0:
+            run_launcher(recipe, request, ranks)
+        print(launcher, flush=True)
+        print(os.waitstatus_to_exitcode(os.waitpid(launcher, 0)[1]), flush=True)
 
 
 if __name__ == "__main__":

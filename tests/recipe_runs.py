@@ -3,9 +3,11 @@
 import atexit
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,29 +69,81 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
-_forks: dict[str, subprocess.Popen] = {}
+class Forks:
+    """tests/recipe_forks.py's process for one kind of run, started once per pytest run: it holds the recipe's
+    imports and runs each run sent to it in forks."""
 
-
-def forked_run(argv: list[str], timeout: int, launch_config: Path | None = None) -> subprocess.CompletedProcess:
-    """The recipe with ``argv`` in forks of tests/recipe_forks.py's process for its kind of run (one per pytest run,
-    which holds the recipe's imports): one process, or with ``launch_config`` the processes of ``accelerate launch
-    --config_file launch_config``."""
-    kind = [] if launch_config is None else ["--launch", str(launch_config)]
-    forks = _forks.get(str(launch_config))
-    if forks is None or forks.poll() is not None:
+    def __init__(self, launch_config: Path | None):
         env = launch_env()
         env["PYTHONPATH"] = f"{ROOT / 'recipes'}{os.pathsep}{env['PYTHONPATH']}"
-        command = [sys.executable, str(ROOT / "tests" / "recipe_forks.py"), *kind]
-        forks = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        _forks[str(launch_config)] = forks
-        atexit.register(forks.kill)
+        command = [sys.executable, str(ROOT / "tests" / "recipe_forks.py")]
+        command += [] if launch_config is None else ["--launch", str(launch_config)]
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pending = b""
+        atexit.register(self.proc.kill)
+
+    def send(self, request: dict) -> None:
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def line(self, timeout: float | None) -> str | None:
+        """Its next answer, or None if none comes within ``timeout`` seconds (None: wait as long as it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            assert chunk, "tests/recipe_forks.py ended"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode()
+
+
+_forks: dict[str, Forks] = {}
+
+
+class ForkedRun:
+    """A run sent to tests/recipe_forks.py, used as a ``Popen`` of its launcher: ``pid`` leads a session that holds
+    the ranks (``os.killpg`` signals them all, as a scheduler would), ``poll()`` and ``wait()`` give its exit code."""
+
+    def __init__(self, argv: list[str], out: Path, err: Path, timeout: int, launch_config, cwd=None, env=None):
+        self.args, self.returncode = ["grpo_qwen3_4b.py", *argv], None
+        self.forks = _forks.get(str(launch_config))
+        if self.forks is None or self.forks.proc.poll() is not None:
+            self.forks = _forks[str(launch_config)] = Forks(launch_config)
+        request = dict(argv=argv, stdout=str(out), stderr=str(err), timeout=timeout, cwd=str(cwd or ROOT))
+        self.forks.send(dict(request, env=env or {}))
+        self.pid = int(self.forks.line(None))
+
+    def poll(self) -> int | None:
+        if self.returncode is None and (line := self.forks.line(0)) is not None:
+            self.returncode = int(line)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self.forks.line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(line)
+        return self.returncode
+
+
+def forked_run(argv: list[str], timeout: int, launch_config: Path | None = None, **run) -> subprocess.CompletedProcess:
+    """The recipe with ``argv`` to its end (`ForkedRun`: one process, or with ``launch_config`` the processes of
+    ``accelerate launch --config_file launch_config``); ``run``: its ``cwd`` and ``env`` (variables added)."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        forks.stdin.write(json.dumps(dict(argv=argv, stdout=str(out), stderr=str(err), timeout=timeout)) + "\n")
-        forks.stdin.flush()
-        answer = forks.stdout.readline()
-        assert answer, "tests/recipe_forks.py ended"
-        return subprocess.CompletedProcess(["grpo_qwen3_4b.py", *argv], int(answer), out.read_text(), err.read_text())
+        code = ForkedRun(argv, out, err, timeout, launch_config, **run).wait()
+        return subprocess.CompletedProcess(["grpo_qwen3_4b.py", *argv], code, out.read_text(), err.read_text())
+
+
+def forked_launch(log: Path, output_dir: Path, model: str, *overrides: str, config="tiny_cpu.yaml", **run):
+    """The recipe under the CPU config's launcher, started (`ForkedRun`), its ranks' output into ``log``."""
+    command = launch_command(output_dir, model, *overrides, config=config)
+    argv = command[command.index("--config") :]
+    return ForkedRun(argv, log, log, 900, CPU_ACCELERATE_CONFIG, **run)
 
 
 def run_recipe(output_dir: Path, *overrides: str, offline: bool = True, config: str = "tiny_cpu.yaml"):
@@ -126,13 +180,16 @@ def launch(
     *overrides: str,
     config: str = "tiny_cpu.yaml",
     accelerate_config: Path = CPU_ACCELERATE_CONFIG,
+    env: dict | None = None,
 ):
-    """Run the recipe to the end under ``accelerate launch --config_file accelerate_config``; returns (the finished
-    process, the metrics of its rollout steps). With the CPU config the ranks are forks (`forked_run`) with the
-    launcher's environment; the tests of the launcher itself and of signals to it use `launch_command`."""
+    """Run the recipe to the end under ``accelerate launch --config_file accelerate_config``, ``env`` added to its
+    environment; returns (the finished process, the metrics of its rollout steps). With the CPU config the ranks are
+    forks (`forked_run`) with the launcher's environment; the tests of the launcher itself use `launch_command`."""
     command = launch_command(output_dir, model, *overrides, config=config, accelerate_config=accelerate_config)
     if accelerate_config == CPU_ACCELERATE_CONFIG:
-        proc = forked_run(command[command.index("--config") :], timeout=900, launch_config=accelerate_config)
+        argv = command[command.index("--config") :]
+        proc = forked_run(argv, timeout=900, launch_config=accelerate_config, env=env)
     else:
-        proc = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=900)
+        environment = {**launch_env(), **(env or {})}
+        proc = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
     return proc, read_metrics(output_dir)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from recipe_runs import REFERENCE_RUN, ROOT, launch, launch_command, launch_env, read_metrics
+from recipe_runs import REFERENCE_RUN, ROOT, forked_launch, launch, launch_command, launch_env, read_metrics
 from transformers import AutoModelForCausalLM
 
 # everything a step computes that does not depend on the clock
@@ -125,20 +125,19 @@ def test_tools_that_exit_chdir_and_hang_end_only_their_calls_and_sigterm_stops_w
     launcher's 30 s grace would end it."""
     out, log = tmp_path / "out", tmp_path / "run.log"
     (tmp_path / "elsewhere").mkdir()
-    env = {**launch_env(), "FAULTY_TOOL_RUN": str(out / "run"), "FAULTY_TOOL_ELSEWHERE": str(tmp_path / "elsewhere")}
+    env = {"FAULTY_TOOL_RUN": str(out / "run"), "FAULTY_TOOL_ELSEWHERE": str(tmp_path / "elsewhere")}
     overrides = ["tools=[faulty_tools:calculator]", "tool_calling.timeout_s=60", "save_steps=2", "eval_steps=null"]
-    command = launch_command(Path("out"), tiny_tool_model, *overrides, "max_steps=40", config="tiny_cpu_tools.yaml")
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            command, cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.time() + 600
-        while not list(out.glob("hanging-*")) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert proc.poll() is None, log.read_text()[-5000:]
-        os.killpg(proc.pid, signal.SIGTERM)
-        start = time.monotonic()
-        proc.wait(timeout=25)  # the launcher would end the ranks at 30 s
+    overrides += ["max_steps=40"]
+    proc = forked_launch(
+        log, Path("out"), tiny_tool_model, *overrides, config="tiny_cpu_tools.yaml", cwd=tmp_path, env=env
+    )
+    deadline = time.time() + 600
+    while not list(out.glob("hanging-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, log.read_text()[-5000:]
+    os.killpg(proc.pid, signal.SIGTERM)
+    start = time.monotonic()
+    proc.wait(timeout=25)  # the launcher would end the ranks at 30 s
     stopped_in = time.monotonic() - start
     print(f"stopped {stopped_in:.1f} s after SIGTERM")
     stderr = log.read_text()

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 
@@ -21,7 +20,7 @@ import pytest
 import requests
 import torch
 from bench_common import serve, wait_until_up
-from recipe_runs import ROOT, launch, launch_command, launch_env, read_lines, read_metrics
+from recipe_runs import ROOT, forked_launch, launch, read_lines, read_metrics
 
 from grpo.config import ConfigError, load_config
 from grpo.engines.rollout_queue import union_seconds
@@ -253,20 +252,12 @@ def test_max_staleness_1_stops_cleanly_on_sigterm_and_resumes_with_exact_fidelit
     _, url, model_dir = server
     overrides = ["vllm.mode=server", f"vllm.server_url={url}", "max_staleness=1", "save_steps=2"]
     log = tmp_path / "interrupted.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            launch_command(tmp_path, model_dir, *overrides, "max_steps=40"),
-            cwd=ROOT,
-            env=launch_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.time() + 600
-        while len(read_metrics(tmp_path)) < 2 and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=300)
+    proc = forked_launch(log, tmp_path, model_dir, *overrides, "max_steps=40")
+    deadline = time.time() + 600
+    while len(read_metrics(tmp_path)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=300)
     text = log.read_text()
     assert proc.returncode != 0 and "stopped by SIGTERM" in text and "resume_from_checkpoint=" in text, text[-5000:]
     deadline = time.time() + 30  # the requests it had sent are aborted, not left generating
@@ -296,23 +287,15 @@ def test_a_server_that_dies_mid_run_stops_every_rank_with_one_line(server, tmp_p
     server_proc, url, model_dir = server
     out, log = tmp_path / "run-out", tmp_path / "run.log"
     overrides = ["vllm.mode=server", f"vllm.server_url={url}", "max_staleness=1", "vllm.server_timeout=5"]
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            launch_command(out, model_dir, *overrides, "max_steps=40"),
-            cwd=ROOT,
-            env=launch_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.time() + 600
-        while not read_metrics(out) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        for child in psutil.Process(server_proc.pid).children(recursive=True):
-            child.kill()
-        server_proc.kill()
-        server_proc.wait(timeout=60)
-        proc.wait(timeout=300)
+    proc = forked_launch(log, out, model_dir, *overrides, "max_steps=40")
+    deadline = time.time() + 600
+    while not read_metrics(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    for child in psutil.Process(server_proc.pid).children(recursive=True):
+        child.kill()
+    server_proc.kill()
+    server_proc.wait(timeout=60)
+    proc.wait(timeout=300)
     text = log.read_text()
     lines = [line for line in text.splitlines() if line.startswith("error: the vLLM server at")]
     assert proc.returncode != 0 and len(lines) == 2, text[-5000:]  # one line from each rank

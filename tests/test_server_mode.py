@@ -26,7 +26,7 @@ import pytest
 import requests
 import torch
 from bench_common import free_port, serve, wait_until_up
-from recipe_runs import launch, launch_command, launch_env, read_metrics
+from recipe_runs import launch, read_metrics
 from torchrun import WORKER_ENV, figures_of, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,14 +301,7 @@ def test_trainer_rank_killed_during_a_sync_resumes_exactly_against_the_same_serv
     assert reference.returncode == 0, reference.stderr[-5000:]
 
     out = tmp_path / "killed"
-    killed = subprocess.run(
-        launch_command(out, model_dir, *overrides),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**launch_env(), "SIGKILL_RANK0_IN_SYNC": "2"},
-        timeout=900,
-    )
+    killed, _ = launch(out, model_dir, *overrides, env={"SIGKILL_RANK0_IN_SYNC": "2"})
     assert killed.returncode != 0 and "SIGKILL rank 0 in the weight sync" in killed.stdout, killed.stderr[-5000:]
     with safe_open(out / "run" / "checkpoint-2" / "adapter_model.safetensors", "pt") as adapter:
         factor_bytes = sum(math.prod(adapter.get_slice(k).get_shape()) * 4 for k in adapter.keys())  # fp32

