@@ -78,16 +78,20 @@ class StopRequest:
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame) -> None:
-        first, self.signum = not self.signum, self.signum or signum
+        # A repeated signal changes nothing: after the first, every later wait of the rollout gives itself up on
+        # entry. It often comes at once (a scheduler signals every process of the job, and the launcher passes its
+        # own on), and Python may run it inside this handler: raising there would cut the first one's line short.
+        if self.signum:
+            return
+        self.signum = signum
         abandon = stop_requested()
-        if first:
-            log.warning(
-                "%s received: %s",
-                signal.Signals(signum).name,
-                "abandoning the rollout step in progress, then a checkpoint of the last finished step"
-                if abandon
-                else "stopping at the next step boundary, after a checkpoint",
-            )
+        log.warning(
+            "%s received: %s",
+            signal.Signals(signum).name,
+            "abandoning the rollout step in progress, then a checkpoint of the last finished step"
+            if abandon
+            else "stopping at the next step boundary, after a checkpoint",
+        )
         if abandon:
             raise RolloutAbandoned(f"{signal.Signals(signum).name} during the rollout")
 

@@ -22,6 +22,7 @@ differ (HF_HUB_OFFLINE unset) are not sent here.
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ import time
 import traceback
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "TORCHELASTIC_ERROR_FILE")
-STOP_GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL of the ranks left when one fails
+STOP_GRACE_S = 30  # torchrun's wait between the SIGTERM that stops the ranks and SIGKILL
 
 
 def launcher_environments(config: str) -> list[dict[str, str]]:
@@ -68,7 +69,7 @@ def run_rank(recipe, request: dict, environment: dict) -> None:
     os._exit(code)
 
 
-def run_launcher(recipe, request: dict, ranks: list[dict]) -> None:
+def run_launcher(recipe, request: dict, rank_environments: list[dict]) -> None:
     """The launcher of one run (a session of its own): forks the ranks, passes signals on, exits as torchrun."""
     os.setsid()
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)
@@ -77,9 +78,9 @@ def run_launcher(recipe, request: dict, ranks: list[dict]) -> None:
     deadline = time.monotonic() + request["timeout"]
     errors = tempfile.mkdtemp()
     children = []
-    for rank, environment in enumerate(ranks):
+    for rank, environment in enumerate(rank_environments):
         environment = {**environment, **request.get("env", {})}
-        if len(ranks) > 1:
+        if len(rank_environments) > 1:
             environment.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
             environment["TORCHELASTIC_ERROR_FILE"] = os.path.join(errors, f"{rank}.json")
         if (child := os.fork()) == 0:
@@ -107,17 +108,18 @@ def run_launcher(recipe, request: dict, ranks: list[dict]) -> None:
                 if pid not in codes:
                     os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
+    shutil.rmtree(errors, ignore_errors=True)
     if timed_out:
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(codes[children[0]] if len(children) == 1 else int(any(codes.values())))
 
 
 def main() -> None:
-    ranks = [dict(os.environ)]
+    rank_environments = [dict(os.environ)]
     if "--launch" in sys.argv:
-        ranks = launcher_environments(sys.argv[sys.argv.index("--launch") + 1])
+        rank_environments = launcher_environments(sys.argv[sys.argv.index("--launch") + 1])
         os.environ.clear()
-        os.environ.update({k: v for k, v in ranks[0].items() if k not in RANK_KEYS})
+        os.environ.update({k: v for k, v in rank_environments[0].items() if k not in RANK_KEYS})
     sys.argv = ["grpo_qwen3_4b.py"]
     import grpo_qwen3_4b as recipe  # the recipe's slow imports, before any fork
     import vllm  # noqa: F401 - imported by the recipe when its engine starts
@@ -125,7 +127,7 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         if (launcher := os.fork()) == 0:
-            run_launcher(recipe, request, ranks)
+            run_launcher(recipe, request, rank_environments)
         print(launcher, flush=True)
         print(os.waitstatus_to_exitcode(os.waitpid(launcher, 0)[1]), flush=True)
 

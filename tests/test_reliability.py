@@ -1,6 +1,7 @@
 """Faults during a run, end to end (2 processes, FSDP2, vLLM): interruption, resume, NaN/inf, lost checkpoints."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -151,3 +152,34 @@ def test_tools_that_exit_chdir_and_hang_end_only_their_calls_and_sigterm_stops_w
         assert f"[rank{rank}] stopped by SIGTERM after rollout step 1 of 20" in stderr, stderr[-5000:]
     assert f"resume_from_checkpoint={(out / 'run' / 'checkpoint-2').resolve()}" in stderr
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_tool_model), str(checkpoints[0]))
+
+
+def test_a_second_signal_inside_the_first_ones_handler_leaves_its_line_whole_and_raises_nothing():
+    """A scheduler signals every process of the job and the launcher passes its own signal on: a rank's second
+    SIGTERM can run inside the handler of the first, here while it writes its line (from the log handler). The line
+    is written whole and one RolloutAbandoned ends the wait; raising again there would cut the line off."""
+    from grpo.engines.interface import RolloutAbandoned, _Abandoning, abandonable_wait, rollout_in_progress
+    from grpo.faults import StopRequest
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop, lines = StopRequest(), []
+
+    class SecondSignalWhileWriting(logging.Handler):
+        def emit(self, record):
+            stop.handle(signal.SIGTERM, None)
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger("grpo"), SecondSignalWhileWriting()
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(RolloutAbandoned), rollout_in_progress(), abandonable_wait():
+            stop.handle(signal.SIGTERM, None)
+    finally:
+        logger.removeHandler(handler)
+        _Abandoning.stopping = False
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
+    assert lines == [
+        "SIGTERM received: abandoning the rollout step in progress, then a checkpoint of the last finished step"
+    ]
+    assert stop.signum == signal.SIGTERM
