@@ -1,4 +1,6 @@
-"""Launching the GRPO recipe as a user does (`accelerate launch`, 2 processes, FSDP2 on gloo) on a small run."""
+"""Launching the GRPO recipe as a user does (`accelerate launch`, 2 processes, FSDP2 on gloo) on a small run: its
+ranks forked from one process that holds the imports (tests/recipe_forks.py), or the launcher itself where a test is
+about the launcher."""
 
 import atexit
 import json
