@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,12 +41,6 @@ def launcher_environments(config: str) -> list[dict[str, str]]:
         subprocess.run([*command, __file__, "--environment", tmp], check=True, capture_output=True, timeout=120)
         files = sorted(os.listdir(tmp), key=int)
         return [json.loads(open(os.path.join(tmp, name)).read()) for name in files]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(recipe, request: dict, environment: dict) -> None:
@@ -69,12 +62,13 @@ def run_rank(recipe, request: dict, environment: dict) -> None:
     os._exit(code)
 
 
-def run_launcher(recipe, request: dict, rank_environments: list[dict]) -> None:
-    """The launcher of one run (a session of its own): forks the ranks, passes signals on, exits as torchrun."""
+def run_launcher(recipe, request: dict, rank_environments: list[dict], port: int) -> None:
+    """The launcher of one run (a session of its own): forks the ranks, their rendezvous on ``port``, passes signals
+    on, exits as torchrun."""
     os.setsid()
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)
     os.dup2(0, 1)  # this process's answers are the forking process's alone
-    port, codes, kill_at = free_port(), {}, None
+    codes, kill_at = {}, None
     deadline = time.monotonic() + request["timeout"]
     errors = tempfile.mkdtemp()
     children = []
@@ -124,10 +118,12 @@ def main() -> None:
     import grpo_qwen3_4b as recipe  # the recipe's slow imports, before any fork
     import vllm  # noqa: F401 - imported by the recipe when its engine starts
 
+    from bench.bench_common import free_port
+
     for line in sys.stdin:
         request = json.loads(line)
         if (launcher := os.fork()) == 0:
-            run_launcher(recipe, request, rank_environments)
+            run_launcher(recipe, request, rank_environments, free_port())
         print(launcher, flush=True)
         print(os.waitstatus_to_exitcode(os.waitpid(launcher, 0)[1]), flush=True)
 

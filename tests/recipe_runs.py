@@ -40,20 +40,9 @@ REFERENCE_RUN = (
 CPU_ACCELERATE_CONFIG = ROOT / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
 
 
-def launch_command(
-    output_dir: Path,
-    model: str,
-    *overrides: str,
-    config: str = "tiny_cpu.yaml",
-    accelerate_config: Path = CPU_ACCELERATE_CONFIG,
-) -> list[str]:
+def recipe_argv(output_dir: Path, model: str, *overrides: str, config: str = "tiny_cpu.yaml") -> list[str]:
+    """The recipe's arguments for a small run of ``model`` on ``config``."""
     return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(accelerate_config),
-        str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
         "--config",
         str(ROOT / "recipes" / "configs" / config),
         f"model.name_or_path={model}",
@@ -62,6 +51,21 @@ def launch_command(
         "run_name=run",
         *SMALL_RUN,
         *overrides,
+    ]
+
+
+def launch_command(
+    output_dir: Path,
+    model: str,
+    *overrides: str,
+    config: str = "tiny_cpu.yaml",
+    accelerate_config: Path = CPU_ACCELERATE_CONFIG,
+) -> list[str]:
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
+    return [
+        *launcher,
+        str(ROOT / "recipes" / "grpo_qwen3_4b.py"),
+        *recipe_argv(output_dir, model, *overrides, config=config),
     ]
 
 
@@ -143,8 +147,7 @@ def forked_run(argv: list[str], timeout: int, launch_config: Path | None = None,
 
 def forked_launch(log: Path, output_dir: Path, model: str, *overrides: str, config="tiny_cpu.yaml", **run):
     """The recipe under the CPU config's launcher, started (`ForkedRun`), its ranks' output into ``log``."""
-    command = launch_command(output_dir, model, *overrides, config=config)
-    argv = command[command.index("--config") :]
+    argv = recipe_argv(output_dir, model, *overrides, config=config)
     return ForkedRun(argv, log, log, 900, CPU_ACCELERATE_CONFIG, **run)
 
 
@@ -187,11 +190,11 @@ def launch(
     """Run the recipe to the end under ``accelerate launch --config_file accelerate_config``, ``env`` added to its
     environment; returns (the finished process, the metrics of its rollout steps). With the CPU config the ranks are
     forks (`forked_run`) with the launcher's environment; the tests of the launcher itself use `launch_command`."""
-    command = launch_command(output_dir, model, *overrides, config=config, accelerate_config=accelerate_config)
     if accelerate_config == CPU_ACCELERATE_CONFIG:
-        argv = command[command.index("--config") :]
+        argv = recipe_argv(output_dir, model, *overrides, config=config)
         proc = forked_run(argv, timeout=900, launch_config=accelerate_config, env=env)
     else:
+        command = launch_command(output_dir, model, *overrides, config=config, accelerate_config=accelerate_config)
         environment = {**launch_env(), **(env or {})}
         proc = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
     return proc, read_metrics(output_dir)
