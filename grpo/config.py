@@ -423,11 +423,20 @@ class RecipeConfig:
     advantage: str = setting(
         "episode",
         "episode: one advantage per episode (its group-normalized reward, step rewards added); turn: each model turn "
-        "its own, the discounted return from that turn on (gamma) normalized among its group's same-numbered turns "
+        "its own, the discounted return from that turn on (gamma) normalized among its group's same-numbered turns; "
+        "state (GiGPO-style): the episode's advantage plus state_advantage_weight times a step-level one, each turn's "
+        "return normalized among its group's turns, at any turn number, that answered the identical observation "
         "(multi-turn episodes: tools or environment_factory; docs/environments.md)",
-        choices=("episode", "turn"),
+        choices=("episode", "turn", "state"),
     )
-    gamma: float = setting(1.0, "the discount of advantage=turn's per-turn returns", range="in [0, 1]")
+    gamma: float = setting(
+        1.0, "the discount of the per-turn returns of advantage=turn and advantage=state", range="in [0, 1]"
+    )
+    state_advantage_weight: float = setting(
+        1.0,
+        "advantage=state: the weight of the step-level advantage added to the episode's (GiGPO's omega)",
+        range=">= 0",
+    )
     max_tool_calling_iterations: int | None = setting(
         None,
         "tool-calling rounds per episode; null: until a turn calls no tool or max_completion_length is reached",
@@ -497,10 +506,10 @@ class RecipeConfig:
             self.check_agent()
         if self.environment_factory:
             self.check_environment()
-        elif self.advantage == "turn" and not self.tools:
+        elif self.advantage in ("turn", "state") and not self.tools:
             raise ConfigError(
-                "advantage='turn' gives each model turn of a multi-turn episode its own advantage: set tools or "
-                "environment_factory as well"
+                f"advantage={self.advantage!r} gives each model turn of a multi-turn episode its own advantage: set "
+                "tools or environment_factory as well"
             )
         if self.tools or self.environment_factory:
             self.check_tools()

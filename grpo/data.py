@@ -4,7 +4,8 @@
   rows with `prompt` and `prompt_ids`; empty and over-long prompts are dropped with a counted warning.
 - `load_reward_funcs` / `score`: reward functions with TRL's signature ``f(prompts, completions,
   completion_ids, **columns) -> list[float | None]``, summed (None means "not applicable", as in TRL).
-- `group_advantages`: GRPO's group-normalized advantages.
+- `group_advantages`: GRPO's group-normalized advantages; `turn_returns`, `turn_advantages`, `turn_anchors`,
+  `state_advantages`, `token_advantages`: the per-turn ones (advantage=turn and state).
 - `make_batch` / `select`: left-padded prompts + right-padded responses, the layout `padding/` documents.
 """
 
@@ -248,24 +249,84 @@ def turn_advantages(
     (the episodes that reached it), divided by their std (scale='group'), by the std of every turn's return in the
     batch ('batch') or by nothing ('none'). Excluded episodes are in no baseline and get 0 on every turn. Where every
     episode has one turn this is `group_advantages`."""
-    kept = [not bool(excluded[i]) if excluded is not None else True for i in range(len(returns))]
+    kept = _kept(returns, excluded)
     table = [torch.tensor(r, dtype=torch.float32) for r in returns]
-    every = [t for t, keep in zip(table, kept) if keep and t.numel()]
-    batch_std = torch.cat(every).std() if every and sum(t.numel() for t in every) > 1 else torch.zeros(())
+    batch_std = _batch_return_std(table, kept)
     advantages = [torch.zeros(len(r)) for r in returns]
     for start in range(0, len(returns), group):
         members = [i for i in range(start, start + group) if kept[i]]
         for turn in range(max((len(returns[i]) for i in members), default=0)):
-            reached = [i for i in members if len(returns[i]) > turn]
-            values = torch.stack([table[i][turn] for i in reached])
-            centered = values - values.mean()
-            if scale == "group":
-                centered = centered / ((values.std() if len(reached) > 1 else torch.zeros(())) + 1e-4)
-            elif scale == "batch":
-                centered = centered / (batch_std + 1e-4)
-            for i, value in zip(reached, centered):
-                advantages[i][turn] = value
+            reached = [(i, turn) for i in members if len(returns[i]) > turn]
+            _normalize_among(reached, table, advantages, scale, batch_std)
     return [a.tolist() for a in advantages]
+
+
+def turn_anchors(sample) -> list[tuple[int, ...] | None]:
+    """advantage=state: each model turn's anchor state, the observation it answered, token for token: turn 1's the
+    prompt ids (they hold an environment's reset observation), turn t >= 2's the tool tokens just before its first
+    token. A turn with no token, or with no tool token before it, has None (it is in no step group)."""
+    turn_of = sample.turn_of_token or []
+    first: dict[int, int] = {}
+    for position, turn in enumerate(turn_of):
+        first.setdefault(turn, position)
+    anchors = [tuple(sample.prompt_ids)] if turn_of and max(turn_of) >= 1 else []
+    for turn in range(2, max(turn_of, default=0) + 1):
+        start = first.get(turn)
+        end = start
+        while end and turn_of[end - 1] == 0:  # back over the tool tokens the turn followed
+            end -= 1
+        anchors.append(tuple(sample.completion_ids[end:start]) if start is not None and end < start else None)
+    return anchors
+
+
+def state_advantages(
+    returns: list[list[float]],
+    anchors: list[list[tuple[int, ...] | None]],
+    group: int,
+    scale: str,
+    excluded: torch.Tensor | None = None,
+) -> list[list[float]]:
+    """advantage=state's step-level term (GiGPO's): each turn's return minus the mean of the returns of its step
+    group, the turns of its group's episodes, at any turn number, with the identical anchor state (`turn_anchors`),
+    divided by their std (scale='group'), by the std of every turn's return in the batch ('batch') or by nothing
+    ('none'). A turn alone in its step group, or without an anchor, gets 0; excluded episodes are in no step group
+    and get 0 on every turn."""
+    kept = _kept(returns, excluded)
+    table = [torch.tensor(r, dtype=torch.float32) for r in returns]
+    batch_std = _batch_return_std(table, kept)
+    advantages = [torch.zeros(len(r)) for r in returns]
+    for start in range(0, len(returns), group):
+        step_groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for i in range(start, start + group):
+            for turn, anchor in enumerate(anchors[i][: len(returns[i])] if kept[i] else []):
+                if anchor is not None:
+                    step_groups.setdefault(anchor, []).append((i, turn))
+        for members in step_groups.values():
+            if len(members) > 1:
+                _normalize_among(members, table, advantages, scale, batch_std)
+    return [a.tolist() for a in advantages]
+
+
+def _kept(returns: list, excluded: torch.Tensor | None) -> list[bool]:
+    return [not bool(excluded[i]) if excluded is not None else True for i in range(len(returns))]
+
+
+def _batch_return_std(table: list[torch.Tensor], kept: list[bool]) -> torch.Tensor:
+    """The std of every turn's return of the kept episodes (scale_rewards='batch')."""
+    every = [t for t, keep in zip(table, kept) if keep and t.numel()]
+    return torch.cat(every).std() if every and sum(t.numel() for t in every) > 1 else torch.zeros(())
+
+
+def _normalize_among(members, table, advantages, scale: str, batch_std: torch.Tensor) -> None:
+    """Each (episode, turn) of ``members`` its return minus their mean, scaled as ``scale`` says."""
+    values = torch.stack([table[i][turn] for i, turn in members])
+    centered = values - values.mean()
+    if scale == "group":
+        centered = centered / ((values.std() if len(members) > 1 else torch.zeros(())) + 1e-4)
+    elif scale == "batch":
+        centered = centered / (batch_std + 1e-4)
+    for (i, turn), value in zip(members, centered):
+        advantages[i][turn] = value
 
 
 def token_advantages(per_turn: list[list[float]], turn_of_token: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,17 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.checkpointing import checkpoint_path, rng_state, save_adapter, save_checkpoint, set_rng_state
-from grpo.data import group_advantages, make_batch, score, select, token_advantages, turn_advantages, turn_returns
+from grpo.data import (
+    group_advantages,
+    make_batch,
+    score,
+    select,
+    state_advantages,
+    token_advantages,
+    turn_advantages,
+    turn_anchors,
+    turn_returns,
+)
 from grpo.engines.interface import RolloutAbandoned, rollout_in_progress
 from grpo.engines.server import ServerError
 from grpo.episodes.environments import EnvironmentFailing
@@ -138,8 +148,8 @@ def rollout(run: Run, rollout_step: int):
 
 def rewards_and_advantages(run: Run, rows, samples, rollout_step: int):
     """3. Score the completions (a NaN/inf reward stops the run) -> (rewards [N], advantages: [N], or with
-    advantage=turn each episode's list of per-turn advantages). Environment episodes: an episode's reward includes
-    its step rewards; a failed one's is NaN (never scored) and it is in no baseline."""
+    advantage=turn or state each episode's list of per-turn advantages). Environment episodes: an episode's reward
+    includes its step rewards; a failed one's is NaN (never scored) and it is in no baseline."""
     cfg = run.cfg
     failed = torch.tensor([s.env_failure is not None for s in samples])
     rewards, returned = score_episodes(run, rows, samples, failed)
@@ -151,15 +161,21 @@ def rewards_and_advantages(run: Run, rows, samples, rollout_step: int):
     if bool(failed.any()):  # the environment failed, not the policy: in no baseline, advantage 0, no loss
         excluded = failed if excluded is None else excluded | failed
     outcomes = torch.where(failed, 0.0, rewards) if bool(failed.any()) else rewards  # NaN only where one failed
-    if cfg.advantage == "turn":
+    if cfg.advantage in ("turn", "state"):
         steps = [s.turn_rewards or [0.0] * max(s.turn_of_token, default=0) for s in samples]
         returns = [turn_returns(step, float(outcome), cfg.gamma) for step, outcome in zip(steps, outcomes)]
+    if cfg.advantage == "turn":
         advantages = turn_advantages(returns, cfg.num_generations, cfg.scale_rewards, excluded)
     if samples and samples[0].turn_rewards is not None:  # an environment's step rewards: the episode's too
         rewards = rewards + torch.tensor([sum(s.turn_rewards) for s in samples])
-    if cfg.advantage == "episode":
+    if cfg.advantage in ("episode", "state"):
         scored = torch.where(failed, 0.0, rewards) if bool(failed.any()) else rewards
         advantages = group_advantages(scored, cfg.num_generations, cfg.scale_rewards, excluded)
+    if cfg.advantage == "state":  # GiGPO: the episode's advantage plus the weighted step-level one of each turn
+        anchors = [turn_anchors(s) for s in samples]
+        step = state_advantages(returns, anchors, cfg.num_generations, cfg.scale_rewards, excluded)
+        weight = cfg.state_advantage_weight
+        advantages = [[e + weight * a for a in turns] for e, turns in zip(advantages.tolist(), step)]
     return rewards, advantages
 
 
@@ -177,8 +193,8 @@ def score_episodes(run: Run, rows, samples, failed: torch.Tensor):
 
 def training_batch(run: Run, samples, advantages) -> dict:
     """The padded batch of this rank's completions with their advantages ([N], or [N, R] per token with
-    advantage=turn: each model token its turn's); truncated ones masked out if asked, failed environment episodes
-    always."""
+    advantage=turn or state: each model token its turn's); truncated ones masked out if asked, failed environment
+    episodes always."""
     batch = make_batch(samples, run.pad_id, run.device)
     if isinstance(advantages, torch.Tensor):
         batch["advantages"] = advantages.to(run.device)

@@ -25,7 +25,7 @@ def test_top_level_fields_are_trl_grpo_config_names():
     sections = {"model", "data", "lora", "vllm", "padding", "tool_calling"}
     trainer_arguments = {"reward_funcs", "tools", "environment_factory"}  # GRPOTrainer's arguments
     own = {"agent"}  # an agent on an OpenAI endpoint: TRL's nearest, rollout_func, returns the ids itself
-    own |= {"advantage", "gamma"}  # turn-level credit: TRL gives one advantage per episode
+    own |= {"advantage", "gamma", "state_advantage_weight"}  # turn-level credit: TRL gives one per episode
     ours = {f.name for f in dataclasses.fields(RecipeConfig)} - sections - trainer_arguments - own
     assert ours <= trl_names, ours - trl_names
 
@@ -149,6 +149,7 @@ BAD_VALUES = {
     "environment_factory": "no_colon",
     "advantage": "step",
     "gamma": "1.5",
+    "state_advantage_weight": "-0.5",
     "max_tool_calling_iterations": "0",
     "model.name_or_path": '""',
     "model.dtype": "float64",

@@ -1,7 +1,7 @@
 """grpo/episodes/environments.py: TRL's environment_factory on the scripted engines of test_tools.py (no model, no
 vLLM): one instance per episode, reset with its row and its group's seed, its methods the tools, the observation in
 the prompt; faults of the environment against the model's; every instance released; the recipe's baseline, loss
-and stop for failed episodes; step rewards and the two advantage modes, each turn's advantage on its own tokens."""
+and stop for failed episodes; step rewards and the three advantage modes, each turn's advantage on its own tokens."""
 
 import time
 from types import SimpleNamespace
@@ -13,7 +13,16 @@ from recipe_runs import launch
 from test_tools import Sampling, ScriptedEngine, tokenizer  # noqa: F401 - the fixture
 
 from grpo.config import ConfigError, ToolCallingSettings, load_config
-from grpo.data import USER_TEXT, group_advantages, score, token_advantages, turn_advantages, turn_returns
+from grpo.data import (
+    USER_TEXT,
+    group_advantages,
+    score,
+    state_advantages,
+    token_advantages,
+    turn_advantages,
+    turn_anchors,
+    turn_returns,
+)
 from grpo.engines.interface import Sample
 from grpo.episodes import environments
 from grpo.episodes.environments import EnvironmentEngine, EnvironmentFailing, check_reset_arguments, load_environment
@@ -285,6 +294,17 @@ def test_the_run_stops_past_max_consecutive_failures(tokenizer):  # noqa: F811
     assert counting.failure_streak() == (0, "x")
 
 
+def loss_and_grad(batch):
+    """The GRPO loss of a batch at fixed log-probs, its gradient and its statistics."""
+    logps = torch.full(batch["response_mask"].shape, -0.4, requires_grad=True)
+    mask, settings = batch["response_mask"], LossSettings(vllm_importance_sampling_correction=False)
+    loss, stats = grpo_loss(
+        logps, logps.detach() + 0.01, batch["advantages"], mask, settings, num_items_in_batch=mask.sum().item()
+    )
+    loss.backward()
+    return loss, logps.grad, stats
+
+
 def test_advantage_episode_is_the_old_path_loss_gradients_and_statistics_bit_for_bit():
     """advantage=episode (the default): the advantages are `group_advantages` of the scored rewards as before, and
     the loss, its gradient and its statistics equal the old path's bit for bit, on tool episodes (no environment)
@@ -293,17 +313,6 @@ def test_advantage_episode_is_the_old_path_loss_gradients_and_statistics_bit_for
     import grpo_qwen3_4b as recipe
 
     rows = [{"prompt": "p", "prompt_ids": [1, 2]}]
-    settings = LossSettings(vllm_importance_sampling_correction=False)
-
-    def loss_and_grad(batch):
-        logps = torch.full(batch["response_mask"].shape, -0.4, requires_grad=True)
-        mask = batch["response_mask"]
-        loss, stats = grpo_loss(
-            logps, logps.detach() + 0.01, batch["advantages"], mask, settings, num_items_in_batch=mask.sum().item()
-        )
-        loss.backward()
-        return loss, logps.grad, stats
-
     for environment in (False, True):
         samples = [episode(t) for t in (1, 2, 3, 2)]
         if not environment:
@@ -368,6 +377,134 @@ def test_each_turns_advantage_lands_on_that_turns_tokens_only():
     assert torch.allclose(grad, expected[0])
 
 
+def observed_episode(observations, steps, prompt=(1, 2), failure=None):
+    """A sample of one model turn more than ``observations``, two tokens each, the tool tokens ``observations[t]``
+    (the observation turn t + 2 answers) between turns t + 1 and t + 2; ``steps`` the turns' step rewards."""
+    ids, turn_of = [7, 7], [1, 1]
+    for turn, observation in enumerate(observations, start=2):
+        ids += [*observation, 7, 7]
+        turn_of += [0] * len(observation) + [turn, turn]
+    sample = Sample(list(prompt), ids, "", [-0.5] * len(ids), False, 0)
+    sample.tool_mask, sample.turn_of_token = [int(t > 0) for t in turn_of], turn_of
+    sample.turn_rewards, sample.env_failure = list(steps), failure
+    return sample
+
+
+X, Y, Z = (60, 61), (62, 63), (59, 60, 61)  # Z ends with X: a state of its own all the same
+
+
+def state_group(failure=None):
+    """One group of four: A sees X then Y; B sees Y at its turn 2 (A's turn 3); C sees X; D sees Z, alone. With the
+    reward function's outcomes 1, 0, 1, 0 and gamma 0.5 the turn returns are A [0.5, 1.0, 1.0], B [0, 0],
+    C [1.125, 1.25], D [0, 0]; the episode rewards (outcome plus step rewards) 1.5, 0, 1.75, 0."""
+    return [
+        observed_episode([X, Y], [0.0, 0.5, 0.0]),
+        observed_episode([Y], [0.0, 0.0]),
+        observed_episode([X], [0.5, 0.25], failure=failure),
+        observed_episode([Z], [0.0, 0.0]),
+    ]
+
+
+STATE_RETURNS = [[0.5, 1.0, 1.0], [0.0, 0.0], [1.125, 1.25], [0.0, 0.0]]
+# step groups: the prompt {A1, B1, C1, D1} (mean 0.40625), X {A2, C2} (mean 1.125), Y {A3, B2} (mean 0.5), Z {D2}
+STATE_STEP = [[0.09375, -0.125, 0.5], [-0.40625, -0.5], [0.71875, 0.125], [-0.40625, 0.0]]
+
+
+def test_state_step_groups_are_the_turns_that_answered_the_same_observation():
+    """advantage=state's anchors: turn 1 the prompt ids, turn t >= 2 the tool tokens just before it, whole; the step
+    groups are a group's turns with identical anchors at any turn number (B's turn 2 with A's turn 3), a turn alone
+    in its step group gets 0 (D's turn 2: Z only ends with X). The controls: the same returns grouped by turn number
+    (advantage=turn) give other advantages, and episodes whose anchors all differ (their own prompts and
+    observations) get no step-level term."""
+    samples = state_group()
+    assert turn_anchors(samples[0]) == [(1, 2), X, Y] and turn_anchors(samples[3]) == [(1, 2), Z]
+    anchors = [turn_anchors(s) for s in samples]
+    assert state_advantages(STATE_RETURNS, anchors, 4, "none") == STATE_STEP
+    assert turn_advantages(STATE_RETURNS, 4, "none") != STATE_STEP
+    scaled = state_advantages(STATE_RETURNS, anchors, 4, "group")
+    assert scaled[0][1] == pytest.approx(-0.125 / (torch.tensor([1.0, 1.25]).std().item() + 1e-4))
+    assert scaled[3][1] == 0.0
+    batch_std = torch.tensor([r for turns in STATE_RETURNS for r in turns]).std().item()
+    assert state_advantages(STATE_RETURNS, anchors, 4, "batch")[1][1] == pytest.approx(-0.5 / (batch_std + 1e-4))
+
+    apart = [observed_episode([(80 + i, 81)], [0.0, 0.0], prompt=(1, 2, 3 + i)) for i in range(3)] + [
+        observed_episode([(90,), (91,)], [0.0, 0.0, 0.0], prompt=(1, 2, 9))
+    ]
+    returns = [[0.5, 1.0], [0.0, 2.0], [1.0, 1.0], [0.0, 3.0, 1.0]]
+    assert state_advantages(returns, [turn_anchors(s) for s in apart], 4, "group") == [[0.0] * len(r) for r in returns]
+
+
+def test_state_advantages_against_a_hand_computation_each_on_its_turns_tokens():
+    """Through the recipe (scale_rewards none, gamma 0.5, state_advantage_weight 0.5): each turn's advantage is the
+    episode's (its reward 1.5, 0, 1.75, 0 minus their mean 0.8125) plus half its step-level one, computed by hand,
+    and it lands on that turn's model tokens only, the tool tokens 0."""
+    import grpo_qwen3_4b as recipe
+
+    rows = [{"prompt": "p", "prompt_ids": [1, 2]}]
+    run = recipe_run("advantage=state", "gamma=0.5", "state_advantage_weight=0.5", "scale_rewards=none")
+    samples = state_group()
+    rewards, advantages = recipe.rewards_and_advantages(run, rows, samples, 1)
+    assert rewards.tolist() == [1.5, 0.0, 1.75, 0.0]
+    episode_advantages = [0.6875, -0.8125, 0.9375, -0.8125]
+    expected = [[e + 0.5 * a for a in step] for e, step in zip(episode_advantages, STATE_STEP)]
+    assert advantages == expected
+    assert expected[0] == [0.734375, 0.625, 0.9375]
+
+    batch = recipe.training_batch(run, samples, advantages)
+    a1, a2, a3 = expected[0]
+    assert batch["advantages"][0].tolist() == [a1, a1, 0, 0, a2, a2, 0, 0, a3, a3]
+    b1, b2 = expected[1]
+    assert batch["advantages"][1].tolist() == [b1, b1, 0, 0, b2, b2] + [0] * 4
+
+
+def test_state_advantage_weight_0_is_advantage_episode_bit_for_bit():
+    """state_advantage_weight 0: the per-token advantages on model tokens, the loss, its gradient and its statistics
+    equal advantage=episode's bit for bit (environment episodes with step rewards). The control: weight 0.5 gives
+    another loss."""
+    import grpo_qwen3_4b as recipe
+
+    rows = [{"prompt": "p", "prompt_ids": [1, 2]}]
+    samples = state_group()
+    runs = {
+        name: recipe_run(*overrides, "gamma=0.5")
+        for name, overrides in (
+            ("episode", ["advantage=episode"]),
+            ("weight 0", ["advantage=state", "state_advantage_weight=0"]),
+            ("weight 0.5", ["advantage=state", "state_advantage_weight=0.5"]),
+        )
+    }
+    batches = {
+        name: recipe.training_batch(run, samples, recipe.rewards_and_advantages(run, rows, samples, 1)[1])
+        for name, run in runs.items()
+    }
+    mask = batches["episode"]["response_mask"]
+    assert torch.equal(batches["weight 0"]["advantages"] * mask, batches["episode"]["advantages"][:, None] * mask)
+    loss, grad, stats = loss_and_grad(batches["weight 0"])
+    old_loss, old_grad, old_stats = loss_and_grad(batches["episode"])
+    assert torch.equal(loss, old_loss) and torch.equal(grad, old_grad)
+    assert all(torch.equal(stats[k], old_stats[k]) for k in stats)
+    assert not torch.equal(loss_and_grad(batches["weight 0.5"])[0], loss)
+
+
+def test_an_excluded_episode_is_in_no_state_step_group():
+    """C's environment failed: C gets 0 on every turn and is in no step group, so A's turn 2 is alone with X (0)
+    and the prompt's step group is A, B and D (mean 1/6); in the recipe its episode advantage is 0 as well. The
+    control is the first step-group test: with C kept, A's turn 2 gets -0.125."""
+    samples = state_group()
+    anchors = [turn_anchors(s) for s in samples]
+    excluded = torch.tensor([False, False, True, False])
+    step = state_advantages(STATE_RETURNS, anchors, 4, "none", excluded)
+    assert step[2] == [0.0, 0.0] and step[0][1] == 0.0
+    assert step[0][0] == pytest.approx(0.5 - 0.5 / 3) and step[1] == pytest.approx([-0.5 / 3, -0.5])
+
+    import grpo_qwen3_4b as recipe
+
+    run = recipe_run("advantage=state", "gamma=0.5", "scale_rewards=none")
+    failed = state_group(failure="reset raised ConnectionError: preempted")
+    _, advantages = recipe.rewards_and_advantages(run, [{"prompt": "p", "prompt_ids": [1, 2]}], failed, 1)
+    assert advantages[2] == [0.0, 0.0]
+
+
 def test_a_bad_environment_is_refused_in_one_line_naming_it(tokenizer):  # noqa: F811
     with pytest.raises(ConfigError, match="toy_environments:NoSeed.*takes no 'seed'"):
         load_environment("toy_environments:NoSeed")
@@ -377,8 +514,9 @@ def test_a_bad_environment_is_refused_in_one_line_naming_it(tokenizer):  # noqa:
     check_reset_arguments(environment, {"question": "q", "prompt_ids": [1]})
     with pytest.raises(ConfigError, match="agent=.*and environment_factory=.*together"):
         load_config(None, ["environment_factory=toy_environments:SecretNumber", "agent=a:b"])
-    with pytest.raises(ConfigError, match="advantage='turn' .*set tools or environment_factory"):
-        load_config(None, ["advantage=turn"])
+    for mode in ("turn", "state"):
+        with pytest.raises(ConfigError, match=f"advantage='{mode}' .*set tools or environment_factory"):
+            load_config(None, [f"advantage={mode}"])
 
 
 @pytest.mark.parametrize("schedule", ["per_episode", "per_turn"])
