@@ -88,13 +88,15 @@ kill $server; wait $server || true
 cp cache/tiny-qwen3-key-chain/build_info.json results/tiny_key_chain_build_info.json
 .venv/bin/python recipes/plot_tools.py results/tiny-cpu-tools results/tiny-cpu-tools-retokenized \
     results/tiny-cpu-tools-server results/tiny-cpu-tools-server-async{1,2} --out results/grpo_tools.png
-# guess-the-number, a stateful environment (docs/environments.md): episode-level credit, seeds 0 and 2 (the runs that
-# finished in the time there was; turn-level credit's runs were stopped unfinished)
+# guess-the-number, a stateful environment (docs/environments.md): episode-level against turn-level credit, 3 seeds
 env=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_env.yaml output_dir=results)
-for seed in 0 2; do
-  "${launch[@]}" "${env[@]}" advantage=episode seed=$seed run_name=tiny-cpu-env-episode-s$seed
+for seed in 0 1 2; do
+  for mode in episode turn; do
+    "${launch[@]}" "${env[@]}" advantage=$mode seed=$seed run_name=tiny-cpu-env-$mode-s$seed
+  done
 done
-.venv/bin/python recipes/plot_env.py results/tiny-cpu-env-episode-s{0,2} --out results/grpo_env.png
+.venv/bin/python recipes/plot_env.py results/tiny-cpu-env-{episode,turn}-s{0,1,2} --out results/grpo_env.png
+.venv/bin/python recipes/guess_policy.py results/tiny-cpu-env-{episode,turn}-s{0,1,2} --out results/grpo_env_policy.json
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy \
     --out results/grpo_metrics.png
 .venv/bin/python recipes/plot_metrics.py results/tiny-cpu-merge results/precision/bf16-merge results/precision/bf16-lora \
