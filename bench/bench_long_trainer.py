@@ -50,6 +50,9 @@ TOOL_MODEL = "models/tiny-qwen3-tools"
 CONFIG = "recipes/configs/tiny_cpu_long.yaml"
 PROMPT_TOKENS, MODEL_TOKENS, TOOL_TOKENS = 64, 12, 14  # a key-chain episode's layout, per turn
 MAX_MODEL_LEN = 4096
+# the tool model's BPE writes a key-chain turn and its result in ~48 tokens (the key-chain model's own, ~26): its
+# 100-turn episodes need more than 4096 positions, which the episode loop alone (no model) does not mind
+ASSEMBLY_CONTEXT = 8192
 
 
 def episode_layout(length: int, seed: int):
@@ -239,7 +242,7 @@ def assemble(parser: str, tokenizer, turns: int, episodes: int, profile: bool) -
         [
             f"data.key_chain_hops={hops}",
             f"max_tool_calling_iterations={hops}",
-            f"max_completion_length={MAX_MODEL_LEN - PROMPT_TOKENS}",
+            f"max_completion_length={ASSEMBLY_CONTEXT - PROMPT_TOKENS}",
             f"tool_calling.parser={parser.removesuffix('-whole-history')}",
         ],
     )
