@@ -10,12 +10,12 @@
    12 model tokens and 14 tool tokens (masked) in turn, up to each length of ``--lengths`` (4096 = max_model_len);
    and rows of several shorter episodes packed to the same total. The loss over the response through
    `padding.packed_log_probs` (full logits, as the key-chain config: ``padding.logprob_chunk_size: null``),
-   backward. Time: each size's layouts in one subprocess, ``--repeats`` rounds over every layout in turn (a change
-   of the shared machine's load hits every length alike), the median per layout. Memory: each (size, layout) in a
-   fresh subprocess, the peak extra resident memory of one forward + backward after an untimed one
+   backward. Each size in a fresh subprocess on one thread (on cores shared under nice, the threads of one op
+   wait on each other's turn): per layout, an untimed pass, then the peak extra resident memory of one more
    (`bench_common.rss_peak_during`, with ``MALLOC_MMAP_THRESHOLD_=65536``: every tensor of 64 KiB or more its own
    mapping, returned when freed), against `grpo.memory_plan`'s activation estimate for the same tokens (linear in
-   tokens: it assumes no ``L x L`` attention matrix).
+   tokens: it assumes no ``L x L`` attention matrix); then ``--repeats`` rounds timing every layout in turn (a
+   change of the shared machine's load hits every length alike), the median and the least per layout.
 2. Episode assembly at 16, 32, 64 and 100 turns: `grpo.episodes.loop.ToolEngine` with the key-chain config's
    tool settings over a stand-in engine that answers every request at once with the turn the key-chain model
    writes ("N left" and a ``lookup`` call on the episode's current key, rendered and tokenized by the template; the
@@ -78,27 +78,15 @@ def activation_estimate(model_config, episodes: int, episode_length: int) -> int
     return _activation_bytes(model_config, cfg, 4, checkpointing=False)
 
 
-def packed_row(size: str, length: int, episodes: int):
-    """The model (random weights, the recipe's LoRA) and a forward + backward of ``episodes`` episodes packed to
-    ``length`` tokens (loss over the response), as a function."""
+def packed_row(model, length: int, episodes: int):
+    """A forward + backward of ``episodes`` episodes packed to ``length`` tokens through ``model`` (loss over the
+    response), as a function; and the number of scored tokens."""
     import torch
-    from bench_common import ALL_LINEAR, with_random_lora
 
     from grpo.data import make_batch
     from grpo.engines.interface import Sample
-    from grpo.tasks.tiny_gsm8k import new_model
     from padding import packed_log_probs
-    from padding.packed_attention import PACKED_SDPA
 
-    torch.manual_seed(0)
-    model = new_model(
-        size,
-        vocab_size=768,
-        max_position_embeddings=MAX_MODEL_LEN,
-        tie_word_embeddings=True,
-        attn_implementation=PACKED_SDPA,
-    )
-    model = with_random_lora(model, rank=16, targets=ALL_LINEAR, lora_alpha=32)
     samples = []
     for i in range(episodes):
         prompt, completion, mask = episode_layout(length // episodes, seed=i)
@@ -114,41 +102,53 @@ def packed_row(size: str, length: int, episodes: int):
         (-(logps * inputs[2]).sum() / inputs[2].sum()).backward()
         model.zero_grad(set_to_none=True)
 
-    return model, int(inputs[2].sum()), forward_backward
+    return forward_backward, int(inputs[2].sum())
 
 
-def memory_at(size: str, length: int, episodes: int) -> dict:
-    """Run in a fresh process: the peak extra resident memory of one forward + backward after an untimed one."""
-    from bench_common import rss_peak_during
-
-    model, scored, forward_backward = packed_row(size, length, episodes)
-    forward_backward()  # first-call allocations and kernel choices
-    _, peak = rss_peak_during(forward_backward)
-    return dict(
-        size=size,
-        tokens=length,
-        episodes=episodes,
-        scored_tokens=scored,
-        peak_extra_rss_mib=peak / 2**20,
-        activation_estimate_mib=activation_estimate(model.config, episodes, length // episodes) / 2**20,
-    )
-
-
-def times_of(size: str, layouts: list[tuple[int, int]], repeats: int) -> list[list[float]]:
-    """Run in a fresh process: seconds of each layout's forward + backward, ``repeats`` rounds over every layout in
-    turn (a change of load hits every length alike), after one untimed pass each."""
+def measure_size(size: str, layouts: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Run in a fresh process, on one thread: per layout, an untimed forward + backward, then the peak extra
+    resident memory of one more (`rss_peak_during`); then ``repeats`` rounds timing every layout in turn (a change
+    of load hits every length alike)."""
     import torch
+    from bench_common import ALL_LINEAR, rss_peak_during, with_random_lora
 
-    runs = [packed_row(size, length, episodes)[2] for length, episodes in layouts]
-    for run in runs:
-        run()
-    seconds = [[] for _ in layouts]
+    from grpo.tasks.tiny_gsm8k import new_model
+    from padding.packed_attention import PACKED_SDPA
+
+    torch.set_num_threads(1)  # on cores shared under nice, the threads of one op wait on each other's turn
+    torch.manual_seed(0)
+    model = new_model(
+        size,
+        vocab_size=768,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=True,
+        attn_implementation=PACKED_SDPA,
+    )
+    model = with_random_lora(model, rank=16, targets=ALL_LINEAR, lora_alpha=32)
+    rows, runs = [], []
+    for length, episodes in layouts:
+        run, scored = packed_row(model, length, episodes)
+        run()  # first-call allocations and kernel choices
+        _, peak = rss_peak_during(run)
+        runs.append(run)
+        rows.append(
+            dict(
+                size=size,
+                tokens=length,
+                episodes=episodes,
+                scored_tokens=scored,
+                peak_extra_rss_mib=peak / 2**20,
+                activation_estimate_mib=activation_estimate(model.config, episodes, length // episodes) / 2**20,
+                seconds=[],
+                threads=torch.get_num_threads(),
+            )
+        )
     for _ in range(repeats):
-        for run, kept in zip(runs, seconds):
+        for run, row in zip(runs, rows):
             start = time.perf_counter()
             run()
-            kept.append(time.perf_counter() - start)
-    return [dict(seconds=kept, threads=torch.get_num_threads()) for kept in seconds]
+            row["seconds"].append(time.perf_counter() - start)
+    return rows
 
 
 def in_subprocess(*argv: str) -> dict | list:
@@ -161,7 +161,15 @@ def in_subprocess(*argv: str) -> dict | list:
 
 def passed_on(args) -> list[str]:
     """The layout arguments a timing subprocess needs."""
-    return ["--lengths", *map(str, args.lengths), "--packed", str(args.packed), "--repeats", str(args.repeats)]
+    layout = [
+        "--lengths",
+        *map(str, args.lengths),
+        "--packed",
+        str(args.packed),
+        "--small-up-to",
+        str(args.small_up_to),
+    ]
+    return [*layout, "--repeats", str(args.repeats)]
 
 
 def growth(rows: list[dict], key: str) -> list[float]:
@@ -324,25 +332,41 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--packed", type=int, default=4, help="episodes packed to the longest length (0: none)")
     parser.add_argument("--repeats", type=int, default=3, help="timed forward + backward passes per row")
+    parser.add_argument("--small-up-to", type=int, default=4096, help="the longest length of the small size")
     parser.add_argument("--turns", type=int, nargs="+", default=[16, 32, 64, 100])
     parser.add_argument("--episodes", type=int, default=8, help="per rollout, in the episode loop")
     parser.add_argument("--parsers", nargs="+", default=["auto", "hermes", "trl", "trl-whole-history"])
-    parser.add_argument("--memory", nargs=3, metavar=("SIZE", "TOKENS", "EPISODES"), help=argparse.SUPPRESS)
-    parser.add_argument("--times", metavar="SIZE", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", metavar="SIZE", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    layouts = [(length, 1) for length in args.lengths] + ([(max(args.lengths), args.packed)] if args.packed > 1 else [])
-    if args.memory:
-        size, length, episodes = args.memory
-        print(json.dumps(memory_at(size, int(length), int(episodes))))
-        return
-    if args.times:
-        print(json.dumps(times_of(args.times, layouts, args.repeats)))
+    if args.measure:
+        lengths = [n for n in args.lengths if args.measure != "small" or n <= args.small_up_to]
+        layouts = [(n, 1) for n in lengths] + ([(max(lengths), args.packed)] if args.packed > 1 else [])
+        print(json.dumps(measure_size(args.measure, layouts, args.repeats)))
         return
     if max(args.lengths) > MAX_MODEL_LEN or max(args.turns) > 100 or min(args.turns) < 2:
         raise SystemExit(f"--lengths up to {MAX_MODEL_LEN}, --turns in [2, 100]: got {args.lengths}, {args.turns}")
 
     from bench_common import machine_info, write_report
 
+    forward = {}
+    for size in args.sizes:
+        rows = in_subprocess("--measure", size, *passed_on(args))
+        for row in rows:
+            row.update(median_s=statistics.median(row["seconds"]), min_s=min(row["seconds"]))
+            print(
+                f"{size} {row['tokens']} tokens, {row['episodes']} episodes: {row['median_s']:.3f} s, "
+                f"{row['peak_extra_rss_mib']:.1f} MiB",
+                flush=True,
+            )
+        one = [row for row in rows if row["episodes"] == 1]
+        forward[size] = dict(
+            one_episode=one,
+            time_ratio_per_doubling=growth(one, "median_s"),
+            least_time_ratio_per_doubling=growth(one, "min_s"),
+            memory_ratio_per_doubling=growth(one, "peak_extra_rss_mib"),
+            estimate_ratio_per_doubling=growth(one, "activation_estimate_mib"),
+            packed_episodes_at_longest=next((row for row in rows if row["episodes"] > 1), None),
+        )
     tokenizers = parser_tokenizers()
     assembly = {}
     for name in args.parsers:
@@ -356,35 +380,16 @@ def main() -> None:
             print(f"{name} {turns} turns: {rows[-1]['loop_s_per_turn'] * 1e3:.3f} ms a turn", flush=True)
         assembly[name] = rows
 
-    forward = {}
-    for size in args.sizes:
-        rows = []
-        for (length, episodes), timed in zip(layouts, in_subprocess("--times", size, *passed_on(args))):
-            row = {**in_subprocess("--memory", size, str(length), str(episodes)), **timed}
-            rows.append({**row, "median_s": statistics.median(row["seconds"]), "min_s": min(row["seconds"])})
-            print(
-                f"{size} {length} tokens, {episodes} episodes: {rows[-1]['median_s']:.3f} s, "
-                f"{rows[-1]['peak_extra_rss_mib']:.1f} MiB",
-                flush=True,
-            )
-        one = rows[: len(args.lengths)]
-        forward[size] = dict(
-            one_episode=one,
-            time_ratio_per_doubling=growth(one, "median_s"),
-            least_time_ratio_per_doubling=growth(one, "min_s"),
-            memory_ratio_per_doubling=growth(one, "peak_extra_rss_mib"),
-            estimate_ratio_per_doubling=growth(one, "activation_estimate_mib"),
-            packed_episodes_at_longest=rows[len(args.lengths)] if len(rows) > len(args.lengths) else None,
-        )
     report = dict(
         command="python bench/bench_long_trainer.py " + " ".join(sys.argv[1:]),
         machine=machine_info(),
         shared_machine="the machine ran other training runs and test suites at the same time, under nice -n 19: "
         "absolute times are not comparable across rows run at different loads; ratios within this run are the figures",
-        memory="each (size, layout) in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536; peak extra RSS of one "
-        "forward + backward (after an untimed one) sampled by bench_common.rss_peak_during",
-        timing="each size's layouts in one subprocess, every layout once per round (repeats rounds, after an "
-        "untimed pass each): a change of load hits every length alike; median per layout",
+        memory="each size in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536 (every tensor of 64 KiB or more its "
+        "own mapping, returned when freed); per layout, the peak extra RSS of one forward + backward after an untimed "
+        "one, sampled by bench_common.rss_peak_during",
+        timing="each size's layouts in that subprocess on one thread, every layout once per round (repeats rounds): "
+        "a change of load hits every length alike; median and least per layout",
         forward_backward=forward,
         episode_assembly=assembly,
     )
