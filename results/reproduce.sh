@@ -129,6 +129,6 @@ done
 # exact at length: per-turn |vLLM - trainer| and sequence-level weights of key-chain episodes of 16 to 100 turns
 .venv/bin/python bench/bench_long_fidelity.py --out results/bench_long_fidelity.json
 # the trainer at length: packed forward + backward up to max_model_len (time, memory), the episode loop up to 100 turns
-.venv/bin/python bench/bench_long_trainer.py --out results/bench_long_trainer.json
+.venv/bin/python bench/bench_long_trainer.py --out results/bench_long_trainer.json --sizes tiny
 # what seeding every request costs vLLM's V1 sampler (docs/gpus.md)
 .venv/bin/python bench/bench_seeding.py --out results/bench_seeding.json
