@@ -130,5 +130,9 @@ done
 .venv/bin/python bench/bench_tool_schedule.py --out results/bench_tool_schedule.json
 # exact at length: per-turn |vLLM - trainer| and sequence-level weights of key-chain episodes of 16 to 100 turns
 .venv/bin/python bench/bench_long_fidelity.py --out results/bench_long_fidelity.json
+# the trainer at length: packed forward + backward up to max_model_len (time, memory), the episode loop up to 100 turns
+.venv/bin/python bench/bench_long_trainer.py --out results/bench_long_trainer.json --sizes tiny
+.venv/bin/python bench/bench_long_trainer.py --out results/bench_long_trainer_small.json --sizes small --lengths 256 512 1024 \
+    --repeats 2 --turns 16 --episodes 2 --parsers auto
 # what seeding every request costs vLLM's V1 sampler (docs/gpus.md)
 .venv/bin/python bench/bench_seeding.py --out results/bench_seeding.json

@@ -244,3 +244,73 @@ def test_an_episode_holds_exactly_the_sampled_ids(family):
     assert [eos, eos] not in [sample.completion_ids[i : i + 2] for i in range(len(sample.completion_ids) - 1)]
     assert (sample.tool_calls, sample.tool_failures) == (1, 0)
     assert sample.tool_mask == [1] * len(turn) + [0] * len(suffix) + [1] * len(answer)
+
+
+def episode_ids(tokenizer, history: list[int], turn: list[int], turns: int) -> list[int]:
+    """The ids of an episode ``turns`` turns in: ``history``, then ``turn`` and the tool's result, ``turns`` times."""
+    from grpo.episodes.formats import Renderer
+
+    suffix = Renderer(tokenizer, [multiply]).tool_suffix_ids([{"role": "tool", "name": "multiply", "content": "12"}])
+    return history + (turn + suffix) * turns
+
+
+@pytest.mark.parametrize("family", MATRIX)
+def test_the_trl_parser_reads_of_a_long_history_what_parse_response_reads_of_all_of_it(family):
+    from transformers.utils.chat_parsing.response_templates import load_response_template
+
+    tokenizer = family_tokenizer(family)
+    history, turn, expected = case(family, "single")
+    parser = TrlParser(tokenizer, [multiply], family)
+    template = load_response_template(tokenizer.response_template)
+    long = episode_ids(tokenizer, history, turn, 30)
+    # every cut of the last 80 ids: windows and anchors cut anywhere; and no anchor at all
+    for ids in [long[:end] for end in range(len(long) - 80, len(long) + 1)] + [history[:3], []]:
+        whole = template.truncate_past_last_anchor(tokenizer.decode(ids))
+        assert template.truncate_past_last_anchor(parser.prefix_text(ids)) == whole, (family, len(ids))
+    full = tokenizer.parse_response(turn, prefix=long, tools=[multiply])
+    assert tokenizer.parse_response(turn, prefix=parser.prefix_text(long), tools=[multiply]) == full
+    assert readable(parser.calls(turn, long)) == expected
+
+
+def test_a_late_turn_of_a_long_episode_is_parsed_from_as_many_decoded_ids_as_an_early_one(monkeypatch):
+    from grpo.episodes.loop import ToolEngine
+
+    tokenizer = family_tokenizer("qwen3")
+    history, turn, _ = case("qwen3", "single")
+    cfg = SimpleNamespace(
+        tool_calling=ToolCallingSettings(parser="auto"), max_tool_calling_iterations=99, max_completion_length=10**6
+    )
+    engine = ToolEngine(ScriptedTurns([turn]), tokenizer, [multiply], cfg)
+    assert engine.parser.name == "trl"
+    decoded, per_parse = [0], []
+    decode = tokenizer.decode
+
+    def counting_decode(ids, *args, **kwargs):
+        decoded[0] += len(ids)
+        return decode(ids, *args, **kwargs)
+
+    def counting_calls(turn_ids, history_ids, calls=engine.parser.calls):
+        before = decoded[0]
+        found = calls(turn_ids, history_ids)
+        per_parse.append(decoded[0] - before)
+        return found
+
+    monkeypatch.setattr(tokenizer, "decode", counting_decode)
+    monkeypatch.setattr(engine.parser, "calls", counting_calls)
+    (sample,) = engine.generate([history], SimpleNamespace(n=1, max_tokens=200, clone=lambda: SimpleNamespace()))
+    assert sample.tool_calls == 99 and sample.completion_ids == episode_ids(tokenizer, [], turn, 99) + turn  # 100 turns
+    assert len(per_parse) == 100 and per_parse[89] == per_parse[9], per_parse[9::10]
+
+
+def test_an_episode_extends_its_policy_versions_in_place():
+    from grpo.engines.interface import Sample
+    from grpo.episodes.loop import Episode
+
+    episode = Episode([1, 2], 0)
+    episode.add_turn(Sample([1, 2], [5, 6], "", [-1.0, -1.0], False, 0, versions=[3, 3]), [], True)
+    versions = episode.versions
+    for version in range(4, 40):
+        episode.add_tool_tokens([7])
+        episode.add_turn(Sample([1, 2], [5], "", [-1.0], False, 0, versions=[version]), [], True)
+    assert episode.versions is versions  # one list, extended: no copy of the episode's versions per turn
+    assert versions[:4] == [3, 3, 3, 4] and len(versions) == 2 + 2 * 36 == len(episode.completion_ids)

@@ -337,13 +337,14 @@ class AgentEndpoint:
                 session, f"{left}, fewer than tool_calling.min_turn_tokens={owner.min_turn_tokens}", at_limit=True
             )
             raise Refused(400, f"session {session.id!r}: {session.ended}", "context_length_exceeded")
+        request = episode.prompt_ids + episode.completion_ids
         try:
-            sample = owner._generate_turn(session, episode.prompt_ids + episode.completion_ids, budget, seed)
+            sample = owner._generate_turn(session, request, budget, seed)
         except Exception as err:
             session.engine_error = err  # raised by the rollout once its agents have ended, as the tool loop raises it
             self._end(session, f"the engine failed: {type(err).__name__}: {err}")
             raise
-        owner._after_turn(episode, sample)
+        owner._after_turn(episode, sample, request)
         turn_ids, calls, ended = episode.turns[-1]
         malformed = sum(isinstance(c, str) for c in calls)
         episode.tool_calls += malformed  # no result comes back for these: each counts as a failed call

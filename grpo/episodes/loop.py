@@ -65,8 +65,10 @@ class Episode:
         self.logprobs += sample.logprobs
         self.tool_mask += [1] * len(sample.completion_ids)
         self.turn_of_token += [turn] * len(sample.completion_ids)
-        if sample.versions is not None:
-            self.versions = (self.versions or []) + sample.versions
+        if sample.versions is not None:  # extended in place: a turn's work does not grow with the episode
+            if self.versions is None:
+                self.versions = []
+            self.versions += sample.versions
         self.turns.append((sample.completion_ids, calls, ended))
         self.turn_rewards.append(0.0)
         self.truncated = sample.truncated
@@ -175,7 +177,7 @@ class ToolEngine:
         for sample in self._generate(prompt_ids, first, seeds, use_tqdm, turns, list(range(len(prompt_ids)))):
             caller = callers[sample.prompt_index] if callers else None
             episodes.append(Episode(sample.prompt_ids, sample.prompt_index, number=len(episodes), caller=caller))
-            if self._after_turn(episodes[-1], sample):
+            if self._after_turn(episodes[-1], sample, sample.prompt_ids):
                 continuing.append(episodes[-1])
         rounds = 1
         while continuing and (self.max_iterations is None or rounds <= self.max_iterations):
@@ -189,7 +191,7 @@ class ToolEngine:
             )
             routes = [e.prompt_index for e in continuing]
             samples = self._generate(histories, per_episode, later, False, turns, routes)
-            continuing = [e for e, s in zip(continuing, samples) if self._after_turn(e, s)]
+            continuing = [e for e, s, h in zip(continuing, samples, histories) if self._after_turn(e, s, h)]
             rounds += 1
         return episodes
 
@@ -216,7 +218,7 @@ class ToolEngine:
             number = index * sampling.n + j
             caller = callers[index] if callers else None
             one = episodes[number] = Episode(prompt_ids[index], index, number=number, caller=caller)
-            going, rounds = self._after_turn(one, sample), 1
+            going, rounds = self._after_turn(one, sample, one.prompt_ids), 1
             while going and (self.max_iterations is None or rounds <= self.max_iterations):
                 if not self._append_tool_results(one):
                     break
@@ -224,7 +226,7 @@ class ToolEngine:
                 history = one.prompt_ids + one.completion_ids
                 seed = turn_seed(seeds[index], number, rounds + 1)
                 (sample,) = self._generate([history], turn, [seed], False, turns, [index])
-                going, rounds = self._after_turn(one, sample), rounds + 1
+                going, rounds = self._after_turn(one, sample, history), rounds + 1
 
         for future in start_in_daemon_threads([partial(prompt, i) for i in range(len(prompt_ids))], len(prompt_ids)):
             future.result()
@@ -255,12 +257,13 @@ class ToolEngine:
             room = min(room, self.max_model_len - len(episode.prompt_ids) - used)
         return room
 
-    def _after_turn(self, episode: Episode, sample: Sample) -> bool:
-        """Append a model turn; whether it called a tool and has room to go on."""
+    def _after_turn(self, episode: Episode, sample: Sample, history: list[int]) -> bool:
+        """Append a model turn sampled after ``history`` (the request's ids: the episode so far, not copied again);
+        whether it called a tool and has room to go on."""
         ids = sample.completion_ids
         ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
         with self.tokenizing:
-            calls = self.parser.calls(ids, episode.prompt_ids + episode.completion_ids)
+            calls = self.parser.calls(ids, history)
         if not ended:  # cut by max_tokens: the call cut off is no call; its finished ones run (TRL's) or not at all
             calls = [c for c in calls if isinstance(c, dict)]
         episode.add_turn(sample, calls, ended)

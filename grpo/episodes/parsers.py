@@ -198,23 +198,51 @@ class RegexParser:
         return parse_tool_calls(self.tokenizer.decode(turn_ids, skip_special_tokens=False))
 
 
+PREFIX_WINDOW = 64  # history tokens decoded first when looking for the last assistant header (doubled until found)
+
+
 class TrlParser:
     """TRL's response template of the family, read by the tokenizer's ``parse_response`` with the history as its
-    prefix and the tools' schemas (which type the arguments)."""
+    prefix and the tools' schemas (which type the arguments).
+
+    ``parse_response`` reads of its prefix only the text after the template's last start anchor (the assistant
+    header: `ResponseTemplate.truncate_past_last_anchor`), but decodes the whole prefix to find it: given the whole
+    history, a turn's parse would decode every token of the episode so far, and an episode's parses the square of
+    its length. `prefix_text` decodes the history's tail until it holds that anchor, and passes that text."""
 
     name = "trl"
 
     def __init__(self, tokenizer, tools: list[Callable], family: str):
+        from transformers.utils.chat_parsing.response_templates import load_response_template
         from trl import chat_template_utils
 
         self.tokenizer, self.tools, self.family = tokenizer, tools, FAMILIES[family]
         # as TRL's `add_response_schema` does, but by family: a `*_training` template is not among its names
         tokenizer.response_template = getattr(chat_template_utils, self.family.trl_template)
+        self.start_anchor = load_response_template(tokenizer.response_template).start_anchor_re
+
+    def prefix_text(self, history_ids: list[int]) -> str:
+        """The history's text from the start of its last assistant header (the response template's start anchor):
+        what ``parse_response`` keeps of the whole history's text, from a decode of its tail only (windows of
+        `PREFIX_WINDOW` tokens, doubled until one holds the anchor after its first character, so that a window cut
+        inside a token's text or inside an anchor cannot decide the match). No anchor: the whole history's text, as
+        ``parse_response`` reads it then."""
+        window = PREFIX_WINDOW
+        while True:
+            whole = window >= len(history_ids)
+            text = self.tokenizer.decode(history_ids[-window:] if not whole else history_ids, skip_special_tokens=False)
+            starts = [match.start() for match in self.start_anchor.finditer(text)]
+            if starts and (starts[-1] > 0 or whole):
+                return text[starts[-1] :]
+            if whole:
+                return text
+            window *= 2
 
     def calls(self, turn_ids: list[int], history_ids: list[int]) -> list[dict | str]:
         text = reasoning_stripped(self.tokenizer.decode(turn_ids, skip_special_tokens=False))
+        prefix = self.prefix_text(history_ids)
         try:
-            parsed = self.tokenizer.parse_response(turn_ids, prefix=history_ids, tools=self.tools or None)
+            parsed = self.tokenizer.parse_response(turn_ids, prefix=prefix, tools=self.tools or None)
         except (ValueError, TypeError, KeyError):  # the template's parser gives up on a malformed call
             parsed = {}
         calls = []
