@@ -383,8 +383,8 @@ def main() -> None:
     report = dict(
         command="python bench/bench_long_trainer.py " + " ".join(sys.argv[1:]),
         machine=machine_info(),
-        shared_machine="the machine ran other training runs and test suites at the same time, under nice -n 19: "
-        "absolute times are not comparable across rows run at different loads; ratios within this run are the figures",
+        load="machine.load_average_1_5_15_min says how busy the machine was; on a shared machine absolute times are "
+        "not comparable across rows run at different loads, and ratios within one run are the figures",
         memory="each size in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536 (every tensor of 64 KiB or more its "
         "own mapping, returned when freed); per layout, the peak extra RSS of one forward + backward after an untimed "
         "one, sampled by bench_common.rss_peak_during",
