@@ -132,7 +132,7 @@ done
 .venv/bin/python bench/bench_long_fidelity.py --out results/bench_long_fidelity.json
 # the trainer at length: packed forward + backward up to max_model_len (time, memory), the episode loop up to 100 turns
 .venv/bin/python bench/bench_long_trainer.py --out results/bench_long_trainer.json --sizes tiny
-.venv/bin/python bench/bench_long_trainer.py --out results/bench_long_trainer_small.json --sizes small --lengths 256 512 1024 \
-    --repeats 2 --turns 16 --episodes 2 --parsers auto
+.venv/bin/python bench/bench_long_trainer.py --out results/bench_long_trainer_small.json --sizes small --repeats 2 --turns 16 \
+    --episodes 2 --parsers auto
 # what seeding every request costs vLLM's V1 sampler (docs/gpus.md)
 .venv/bin/python bench/bench_seeding.py --out results/bench_seeding.json
