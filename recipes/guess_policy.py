@@ -26,8 +26,6 @@ from grpo.provenance import provenance
 from grpo.tasks.guess_number import HIGHEST, LOWEST, GuessNumber, make_guess_problems
 from grpo.tasks.tiny_guess import _call, build_guess_model, tools
 
-MODES = ("episode", "turn")
-
 
 def binary_search_states(depth: int) -> list[list[tuple[int, int, str]]]:
     """Per depth 1..``depth``, the states binary search reaches there, each as its earlier moves: a list of
@@ -110,10 +108,8 @@ def main() -> None:
         rows.append(dict(row, midpoint_probability=probabilities))
         print(run, [round(p, 3) for p in probabilities], flush=True)
     report["runs"] = rows
-    for mode in MODES:
+    for mode in dict.fromkeys(r["advantage"] for r in rows):  # each advantage mode among the runs, in their order
         mine = [r["midpoint_probability"] for r in rows if r["advantage"] == mode]
-        if not mine:
-            continue
         means = [statistics.fmean(column) for column in zip(*mine)]
         errors = [statistics.stdev(column) / len(column) ** 0.5 if len(column) > 1 else 0.0 for column in zip(*mine)]
         report[mode] = dict(seeds=len(mine), mean=means, error=errors)

@@ -3,7 +3,7 @@
     python recipes/plot_env.py results/tiny-cpu-env-episode-s{0,1,2} results/tiny-cpu-env-turn-s{0,1,2} \
         --out results/grpo_env.png
 
-Runs are grouped by their config's `advantage` (episode, turn). Panels: held-out success (sampled at the training
+Runs are grouped by their config's `advantage` (episode, turn, state). Panels: held-out success (sampled at the training
 temperature, and greedy) against rollout steps, each mode's mean across its seeds with its standard error; mean
 training reward (outcome and step rewards); the worst per-turn mean |vLLM − trainer| of each step (turns 3 and on
 in the recipe's buckets: 3-4, 5-8, 9-16). The table (printed, and written beside the PNG as JSON) has a row per run
@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from grpo.figures import paper_style, read_config, read_metrics, save_figure, split  # noqa: E402
 
 TURN_DIFF = re.compile(r"rollout_logprob_diff_(turns?\d+(?:to\d+)?)$")  # turn1, turn2, turns3to4, turns5to8, ...
-MODES = ("episode", "turn")
+MODES = ("episode", "turn", "state")  # RecipeConfig.advantage's choices, in the plots' colour order
 
 
 def mean_and_error(values: list[float]) -> tuple[float, float]:
@@ -81,10 +81,10 @@ def mode_row(mode: str, runs: list[dict]) -> dict:
 
 def summary(runs: list[Path]) -> list[dict]:
     per_run = [run_row(run) for run in runs]
-    modes = {mode: [r for r in per_run if r["advantage"] == mode] for mode in MODES}
-    table = per_run + [mode_row(mode, rows) for mode, rows in modes.items() if rows]
-    if all(modes.values()):
-        episode, turn = table[-2], table[-1]
+    modes = {mode: mode_row(mode, rows) for mode in MODES if (rows := [r for r in per_run if r["advantage"] == mode])}
+    table = per_run + list(modes.values())
+    if "episode" in modes and "turn" in modes:
+        episode, turn = modes["episode"], modes["turn"]
         target = episode["success_sampled_last"]
         reached = [s for s, m in zip(turn["eval_steps"], turn["success_sampled_mean"]) if m >= target]
         turn["reaches_episode_final_at_step"] = reached[0] if reached else None

@@ -184,17 +184,13 @@ def test_the_policy_probe_reads_binary_searchs_states_and_the_numbers_token():
     the feedback to 31), and the probability it reads is the model's for the midpoint's own token, the one token
     that differs between the call to the midpoint and to another number (the control: another number's is another
     probability, and the probabilities of several numbers at a state sum to at most 1)."""
-    import importlib.util
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS
+    from recipes.guess_policy import binary_search_states, midpoint_probability
 
-    spec = importlib.util.spec_from_file_location("guess_policy", "recipes/guess_policy.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    levels = probe.binary_search_states(2)
+    levels = binary_search_states(2)
     assert [[(lo, hi) for _, lo, hi in states] for states in levels] == [[(0, 63)], [(0, 30), (32, 63)]]
     assert [m for m, _, _ in levels[1]] == [[(31, "lower: 0 to 30")], [(31, "higher: 32 to 63")]]
     model_dir = SHIPPED_MODELS / "tiny-qwen3-guess"
@@ -202,8 +198,8 @@ def test_the_policy_probe_reads_binary_searchs_states_and_the_numbers_token():
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     question = make_guess_problems(1, seed=3)[0]["question"]
     moves, low, high = levels[1][1]
-    at_midpoint = probe.midpoint_probability(model, tokenizer, question, moves, low, high)
+    at_midpoint = midpoint_probability(model, tokenizer, question, moves, low, high)
     numbers = [low, 46, 47, 48, high]  # 47 the midpoint
-    others = [probe.midpoint_probability(model, tokenizer, question, moves, n, n) for n in numbers]
+    others = [midpoint_probability(model, tokenizer, question, moves, n, n) for n in numbers]
     assert others[2] == pytest.approx(at_midpoint, abs=1e-7)
     assert 0.0 < at_midpoint < 1.0 and len({round(p, 6) for p in others}) == 5 and sum(others) <= 1.0 + 1e-5
