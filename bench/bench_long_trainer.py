@@ -28,7 +28,7 @@
    `grpo.data.make_batch`, each time the least of three runs; the 100-turn run of the config's parser profiled
    (cProfile, top by cumulative time).
 
-The machine is shared with other runs (the JSON records its load): conclusions rest on ratios within this run.
+The JSON records the machine's load: on a shared machine, conclusions rest on ratios within one run.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ TOOL_MODEL = "models/tiny-qwen3-tools"
 CONFIG = "recipes/configs/tiny_cpu_long.yaml"
 PROMPT_TOKENS, MODEL_TOKENS, TOOL_TOKENS = 64, 12, 14  # a key-chain episode's layout, per turn
 MAX_MODEL_LEN = 4096
+VOCAB = 768  # the shipped tool model's vocabulary size
 # the tool model's BPE writes a key-chain turn and its result in ~48 tokens (the key-chain model's own, ~26): its
 # 100-turn episodes need more than 4096 positions, which the episode loop alone (no model) does not mind
 ASSEMBLY_CONTEXT = 8192
@@ -60,7 +61,7 @@ def episode_layout(length: int, seed: int):
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 768, (length,), generator=generator).tolist()
+    ids = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
     mask = []
     while len(mask) < length - PROMPT_TOKENS:
         mask += [1] * MODEL_TOKENS + [0] * TOOL_TOKENS
@@ -119,7 +120,7 @@ def measure_size(size: str, layouts: list[tuple[int, int]], repeats: int) -> lis
     torch.manual_seed(0)
     model = new_model(
         size,
-        vocab_size=768,
+        vocab_size=VOCAB,
         max_position_embeddings=MAX_MODEL_LEN,
         tie_word_embeddings=True,
         attn_implementation=PACKED_SDPA,
@@ -161,15 +162,10 @@ def in_subprocess(*argv: str) -> dict | list:
 
 def passed_on(args) -> list[str]:
     """The layout arguments a timing subprocess needs."""
-    layout = [
-        "--lengths",
-        *map(str, args.lengths),
-        "--packed",
-        str(args.packed),
-        "--small-up-to",
-        str(args.small_up_to),
+    return [
+        *("--lengths", *map(str, args.lengths)),
+        *("--packed", str(args.packed), "--small-up-to", str(args.small_up_to), "--repeats", str(args.repeats)),
     ]
-    return [*layout, "--repeats", str(args.repeats)]
 
 
 def growth(rows: list[dict], key: str) -> list[float]:
