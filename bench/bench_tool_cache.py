@@ -40,6 +40,7 @@ from grpo.engines.server import ServerEngine
 from grpo.episodes.formats import Renderer
 from grpo.tasks import tiny_key_chain, tiny_tools
 from grpo.tasks.key_chain import make_key_chain_problems
+from grpo.tasks.tiny_gsm8k import SIZES, new_model
 
 ARMS = ("prefix_cache", "no_prefix_cache")
 
@@ -76,6 +77,11 @@ def tool_bench_parser(doc: str, out: str) -> argparse.ArgumentParser:
     parser.add_argument("--server-core", type=int, default=1)
     parser.add_argument("--client-core", type=int, default=0)
     parser.add_argument("--model", choices=("tools", "key-chain"), default="tools", help="whose task and model")
+    parser.add_argument(
+        "--random-size",
+        choices=sorted(SIZES),
+        help="serve a randomly initialised model of this size (tiny_gsm8k.SIZES) with the task model's tokenizer",
+    )
     return parser
 
 
@@ -85,8 +91,36 @@ def pinned_tool_model(args: argparse.Namespace) -> str:
     os.sched_setaffinity(0, {args.client_core})
     torch.set_num_threads(1)
     if args.model == "key-chain":
-        return tiny_key_chain.build_key_chain_model(Path(args.cache) / "tiny-qwen3-key-chain")
-    return tiny_tools.build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+        model = tiny_key_chain.build_key_chain_model(Path(args.cache) / "tiny-qwen3-key-chain")
+    else:
+        model = tiny_tools.build_tool_model(Path(args.cache) / "tiny-qwen3-tools")
+    return model if args.random_size is None else random_model(model, args.random_size, Path(args.cache))
+
+
+def random_model(task_model: str, size: str, cache: Path) -> str:
+    """A randomly initialised model of ``size`` (seed 0) with ``task_model``'s tokenizer, positions and special
+    tokens, saved under ``cache`` once. Where the tool's answer is fixed, what the model writes does not change the
+    episodes' shape; its size sets what a turn's prefill costs, which the prefix cache saves."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    out = cache / f"random-{size}-{Path(task_model).name}"
+    if not (out / "config.json").exists():
+        config = AutoConfig.from_pretrained(task_model)
+        torch.manual_seed(0)
+        model = new_model(
+            size,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=config.tie_word_embeddings,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+            rope_theta=config.rope_parameters["rope_theta"],
+        )
+        folder = Path(tempfile.mkdtemp(dir=cache, prefix=f".{out.name}-"))
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(task_model).save_pretrained(folder)
+        folder.rename(out)
+    return str(out)
 
 
 def task_tools(args: argparse.Namespace) -> list:

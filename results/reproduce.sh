@@ -17,7 +17,7 @@ tiny=(recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu.yaml output_dir
 rm -rf results/tiny-cpu-merge results/tiny-cpu-lora results/tiny-cpu-legacy results/precision \
        results/tiny-moe-cpu-merge results/trl-tiny-cpu results/tiny-cpu-attn-* results/tiny-cpu-server \
        results/trl-tiny-cpu-server results/tiny-cpu-server-async* results/tiny-cpu-tools* results/trl-tiny-cpu-tools \
-       results/tiny-cpu-agent results/tiny-cpu-env-*
+       results/tiny-cpu-agent results/tiny-cpu-env-* results/tiny-cpu-long
 "${launch[@]}" "${tiny[@]}"                                    # README's main command, written into results/
 "${launch[@]}" "${tiny[@]}" lora.merge=false run_name=tiny-cpu-lora
 "${launch[@]}" "${tiny[@]}" padding.legacy_slice=true max_steps=40 run_name=tiny-cpu-legacy
@@ -83,9 +83,8 @@ kill $server; wait $server || true
 "${launch[@]}" recipes/grpo_trl.py --config recipes/configs/trl_tiny_cpu_tools.yaml --output_dir results
 # the same task run by an agent that owns its loop, through the OpenAI-compatible endpoint (docs/agents.md)
 "${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_agent.yaml output_dir=results
-# long episodes: the key-chain task's model at its default arguments, its build figures kept (docs/tools.md)
-.venv/bin/python -m grpo.tasks.tiny_key_chain --out cache/tiny-qwen3-key-chain --from-scratch
-cp cache/tiny-qwen3-key-chain/build_info.json results/tiny_key_chain_build_info.json
+# long episodes: the key-chain task at 16 turns against its environment (docs/tools.md)
+"${launch[@]}" recipes/grpo_qwen3_4b.py --config recipes/configs/tiny_cpu_long.yaml output_dir=results
 .venv/bin/python recipes/plot_tools.py results/tiny-cpu-tools results/tiny-cpu-tools-retokenized \
     results/tiny-cpu-tools-server results/tiny-cpu-tools-server-async{1,2} --out results/grpo_tools.png
 # guess-the-number, a stateful environment (docs/environments.md): episode-level against turn-level credit, 3 seeds

@@ -1,4 +1,4 @@
-"""The key-chain task's data, tool and rewards (grpo/tasks/key_chain.py); no model."""
+"""The key-chain task's data, tool and rewards (grpo/tasks/key_chain.py), its config and its shipped model."""
 
 import pytest
 
@@ -60,35 +60,88 @@ def test_the_hop_reward_credits_each_hop_made_in_order_and_the_answer_reward_onl
     assert hops == [1.0, 0.5, 0.25] and answers == [1.0, 0.0, 1.0]
 
 
+def test_the_environment_says_which_lookup_was_the_last_and_pays_each_hop_made_in_order():
+    """KeyChain (environment_factory), three hops: its lookup gives the key a key names, as the plain tool does; the
+    third result adds that it was the last, and a fourth lookup is refused. The step rewards pay 1/3 for each hop
+    made in order, and sum to key_chain_hop_reward of the episode's calls: a lookup out of order earns nothing (the
+    control: the same keys in order earn all three)."""
+    from grpo.episodes.environments import load_environment
+    from grpo.tasks.key_chain import LAST_LOOKUP, KeyChain
+
+    (row,) = make_key_chain_problems(1, hops=3, seed=7)
+    chain = row["chain"]
+    environment = load_environment("grpo.tasks.key_chain:KeyChain")  # the recipe can build and describe it
+    assert environment.method_names == ["lookup"]
+
+    def episode(keys):
+        env = KeyChain()
+        env.reset(seed=0, **row)
+        return [env.lookup(key) for key in keys], env
+
+    results, env = episode(chain[:3])
+    assert [text for text, _ in results] == [chain[1], chain[2], f"{chain[3]}\n{LAST_LOOKUP}"]
+    assert [reward for _, reward in results] == [pytest.approx(1 / 3)] * 3
+    with pytest.raises(ValueError, match="no lookups left: all 3 were made"):
+        env.lookup(chain[3])
+    skipped, _ = episode([chain[0], chain[2], chain[1]])
+    assert [text.split("\n")[0] for text, _ in skipped] == [chain[1], chain[3], chain[2]]
+    assert [reward for _, reward in skipped] == [pytest.approx(1 / 3), 0.0, pytest.approx(1 / 3)]
+    for keys in (chain[:3], [chain[0], chain[2], chain[3]], [chain[0], chain[2], chain[1]]):
+        rewards = [reward for _, reward in episode(keys)[0]]
+        text = "".join(call(k) for k in keys)
+        assert sum(rewards) == pytest.approx(key_chain_hop_reward([text], chain=[chain])[0])
+    with pytest.raises(ValueError, match="is not a key"):
+        episode(["abc"])
+    with pytest.raises(ValueError, match="chain must be a list"):
+        KeyChain().reset(seed=0, chain="QXRB")
+
+
 def test_the_long_config_fits_16_turns_and_the_model_100():
-    """recipes/configs/tiny_cpu_long.yaml asks for 16 turns (15 lookups, then the answer) of the key-chain model.
-    With the builder's tokenizer (trained on its warm-up's conversations) and chat template, a whole 15-hop episode's
-    prompt fits data.max_prompt_length and the rest max_completion_length; a 99-hop one (100 turns) fits the model's
-    4096 positions; a key is four tokens, whatever its letters."""
-    from grpo.tasks.tiny_key_chain import (
-        KEY_PIECES,
-        MAX_POSITIONS,
-        TOOLS,
-        key_chain_conversation,
-        render,
-        warmup_conversations,
-    )
-    from grpo.tasks.tiny_tools import build_tool_tokenizer
+    """recipes/configs/tiny_cpu_long.yaml asks for at least 16 turns (lookups, then the answer) of the key-chain model.
+    With the shipped build's tokenizer and chat template, a whole episode's prompt fits data.max_prompt_length
+    and the rest max_completion_length; a 99-hop one (100 turns) fits the model's 4096 positions; a key is four
+    tokens, one per letter, whatever its letters: the tokens the build's copy phase trains."""
+    from transformers import AutoTokenizer
+
+    from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS
+    from grpo.tasks.tiny_key_chain import MAX_POSITIONS, key_chain_conversation, key_letter_ids, tools
 
     cfg = load_config("recipes/configs/tiny_cpu_long.yaml")
     assert cfg.data.name == "generated-key-chain" and cfg.model.build_tiny == "tiny-key-chain"
+    assert cfg.environment_factory == "grpo.tasks.key_chain:KeyChain" and not cfg.tools
     assert cfg.max_tool_calling_iterations == cfg.data.key_chain_hops and cfg.data.key_chain_hops + 1 >= 16
-    texts = render(warmup_conversations(400, 1, 12, 0.25, 8, 0.3), tools=TOOLS)
-    tokenizer = build_tool_tokenizer(texts, pieces=KEY_PIECES)
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODELS / "tiny-qwen3-key-chain")
 
     def lengths(hops: int) -> tuple[int, int]:
         conversation = key_chain_conversation(make_key_chain_problems(1, hops=hops, seed=5)[0])
-        prompt = tokenizer.apply_chat_template(conversation[:1], tools=TOOLS, add_generation_prompt=True)["input_ids"]
-        whole = tokenizer.apply_chat_template(conversation, tools=TOOLS)["input_ids"]
+        prompt = tokenizer.apply_chat_template(conversation[:1], tools=tools(), add_generation_prompt=True)["input_ids"]
+        whole = tokenizer.apply_chat_template(conversation, tools=tools())["input_ids"]
         return len(prompt), len(whole) - len(prompt)
 
     prompt, completion = lengths(cfg.data.key_chain_hops)
     assert prompt <= cfg.data.max_prompt_length and completion <= cfg.max_completion_length, (prompt, completion)
     assert sum(lengths(99)) <= MAX_POSITIONS
+    letters = key_letter_ids(tokenizer)  # what the build's copy phase trains
     for key in ("QXRB", "AAAA", "ZQZQ"):
-        assert len(tokenizer(key, add_special_tokens=False).input_ids) == 4
+        ids = tokenizer(key, add_special_tokens=False).input_ids
+        assert len(ids) == 4 and set(ids) <= letters
+    assert len(letters) == 26 and not letters & set(tokenizer(" lookup key 15", add_special_tokens=False).input_ids)
+
+
+def test_the_builds_defaults_copy_the_shipped_model_without_training(tmp_path, monkeypatch):
+    """model.build_tiny: tiny-key-chain builds with the builder's defaults: they are the shipped build's arguments,
+    so a fresh clone copies models/tiny-qwen3-key-chain byte for byte; other arguments train (the control)."""
+    import grpo.tasks.tiny_key_chain
+    from grpo.tasks.tiny_gsm8k import SHIPPED_MODELS
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("trained although a shipped build matches")
+
+    monkeypatch.setattr(grpo.tasks.tiny_key_chain, "_warm_up", refuse)
+    out = tmp_path / "key-chain"
+    assert grpo.tasks.tiny_key_chain.build_key_chain_model(out) == str(out)
+    shipped = SHIPPED_MODELS / "tiny-qwen3-key-chain"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in shipped.iterdir())
+    with pytest.raises(AssertionError, match="trained although"):
+        grpo.tasks.tiny_key_chain.build_key_chain_model(tmp_path / "other", copy_steps=1, warmup_steps=1, batch_size=2)

@@ -1,13 +1,15 @@
 """The key-chain task, a tool task whose horizon is a config value: follow ``lookup`` from a start key for k hops.
 
     rows = make_key_chain_problems(n, hops=k, seed=0)   # data.name: generated-key-chain, data.key_chain_hops: k
-    tools: ["grpo.tasks.key_chain:lookup"]
+    environment_factory: grpo.tasks.key_chain:KeyChain    # or tools: ["grpo.tasks.key_chain:lookup"]
     reward_funcs: ["grpo.tasks.key_chain:key_chain_answer_reward"]   # or key_chain_hop_reward: credit per hop
 
 Every key names the next one (`next_key`, a hash: no table, the same in every process), so an episode needs one
 ``lookup`` call per hop, one turn each: k hops are k + 1 model turns. A problem's row holds its question, its
 answer (``#### <the key after k hops>``) and its chain (the start key and each key after it), which the per-hop reward
-reads. Its model: `grpo.tasks.tiny_key_chain`.
+reads. Two ways to serve ``lookup``: the plain function (the key it names, nothing else: the model must keep count
+itself), or `KeyChain`, an environment whose ``lookup`` also says which lookup was the last and pays a step reward
+per hop made in order. Its model: `grpo.tasks.tiny_key_chain`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,42 @@ def lookup(key: str) -> str:
     if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ValueError(f"lookup: {key!r} is not a key of {KEY_LENGTH} capital letters")
     return next_key(key)
+
+
+LAST_LOOKUP = "that was the last lookup"  # what `KeyChain` adds to the result of an episode's last lookup
+
+
+class KeyChain:
+    """One chain (the row's ``chain``): ``lookup`` answers with the key a key names, as the plain tool does, and
+    after the row's last hop adds that it was the last (`LAST_LOOKUP`); a lookup past it is refused. Each hop made
+    in order (the lookup of the key the previous hop gave) earns a step reward of 1 / hops (`hop_rewards`' values,
+    scaled: an episode's step rewards sum to `key_chain_hop_reward`)."""
+
+    def reset(self, seed: int | None = None, **row) -> None:
+        chain = row.get("chain")
+        if not isinstance(chain, list) or len(chain) < 2 or not all(isinstance(k, str) for k in chain):
+            raise ValueError(f"KeyChain: the row's chain must be a list of at least 2 keys, not {chain!r:.80}")
+        self.chain, self.lookups, self.made = chain, 0, 0
+        return None
+
+    @property
+    def hops(self) -> int:
+        return len(self.chain) - 1
+
+    def lookup(self, key: str) -> tuple[str, float]:
+        """Look up a key and return the key it names.
+
+        Args:
+            key: a key of four capital letters, e.g. "QXRB"
+        """
+        named = lookup(key)
+        if self.lookups >= self.hops:
+            raise ValueError(f"no lookups left: all {self.hops} were made")
+        self.lookups += 1
+        in_order = self.made < self.hops and key == self.chain[self.made]
+        self.made += in_order
+        text = named if self.lookups < self.hops else f"{named}\n{LAST_LOOKUP}"
+        return text, float(in_order) / self.hops
 
 
 def make_key_chain_problems(n: int, hops: int, seed: int = 0) -> list[dict]:

@@ -321,21 +321,26 @@ def _warm_up(
     batch_size: int,
     lr: float,
     tools: list = TOOLS,
+    trained_ids: set[int] | None = None,
     prefix_only=False,
 ):
     """The supervised warm-up: AdamW (one-cycle schedule) on what the assistant writes in ``conversations`` (its
     content, tool calls and ``<|im_end|>``; not the system, user or tool tokens). Every token weighs the same in
     every batch (the loss is a sum over a batch divided by the mean tokens per batch), so batches of direct answers
-    do not outweigh batches of tool calls. ``tools``: those the conversations list (the calculator). Returns the
-    mean loss per token over the last tenth of the steps and the `prefix_record` after PREFIX_STEPS steps (its loss
-    per token of that step); ``prefix_only`` stops there."""
+    do not outweigh batches of tool calls. ``tools``: those the conversations list (the calculator).
+    ``trained_ids``: only the assistant's tokens of these ids are trained, the rest are context (a skill taught on
+    its own first). Returns the mean loss per token over the last tenth of the steps and the `prefix_record` after
+    PREFIX_STEPS steps (its loss per token of that step); ``prefix_only`` stops there."""
     from tqdm.auto import tqdm
 
     encoded = tokenizer.apply_chat_template(
         conversations, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
+    masks = encoded["assistant_masks"]
+    if trained_ids is not None:
+        masks = [[m and i in trained_ids for i, m in zip(ids, row)] for ids, row in zip(encoded["input_ids"], masks)]
     batches = _length_batches(encoded["input_ids"], steps, batch_size)
-    tokens_per_batch = sum(sum(encoded["assistant_masks"][r]) for rows in batches for r in rows) / len(batches)
+    tokens_per_batch = sum(sum(masks[r]) for rows in batches for r in rows) / len(batches)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(1, steps), pct_start=0.1)
     model.train()
@@ -345,7 +350,7 @@ def _warm_up(
         input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
         labels = torch.full((len(rows), width), -100)
         for i, r in enumerate(rows):
-            ids, mask = torch.tensor(encoded["input_ids"][r]), torch.tensor(encoded["assistant_masks"][r]).bool()
+            ids, mask = torch.tensor(encoded["input_ids"][r]), torch.tensor(masks[r]).bool()
             input_ids[i, : len(ids)] = ids
             labels[i, : len(ids)] = torch.where(mask, ids, -100)
         attention_mask = (input_ids != tokenizer.pad_token_id).long()
