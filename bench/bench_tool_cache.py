@@ -235,7 +235,11 @@ def main() -> None:
         command=" ".join(
             [
                 "python bench/bench_tool_cache.py",
-                *(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in flags),
+                *(
+                    f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                    for k, v in flags
+                    if v is not None  # a flag left unset
+                ),
             ]
         ),
         machine=machine_info(),

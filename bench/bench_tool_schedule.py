@@ -139,7 +139,12 @@ def main() -> None:
     waits = [sum(max(t[k] for t in run["tool_s"]) for k in range(args.turns - 1)) for run in runs["per_turn"]]
     flags = vars(args).items()
     report = dict(
-        command=" ".join(["python bench/bench_tool_schedule.py", *(f"--{k.replace('_', '-')} {v}" for k, v in flags)]),
+        command=" ".join(
+            [
+                "python bench/bench_tool_schedule.py",
+                *(f"--{k.replace('_', '-')} {v}" for k, v in flags if v is not None),
+            ]
+        ),
         machine=machine_info(),
         tokens_per_s={arm: dict(median=statistics.median(v), all=v) for arm, v in rates.items()},
         speedup_per_episode_over_per_turn=dict(

@@ -126,6 +126,7 @@ done
 .venv/bin/python bench/bench_server.py --out results/bench_server.json
 # multi-turn rollouts with the server's prefix cache on and off (docs/tools.md)
 .venv/bin/python bench/bench_tool_cache.py --out results/bench_tool_cache.json
+.venv/bin/python bench/bench_tool_cache.py --out results/bench_tool_cache_small.json --random-size small --turns 8 16 32
 .venv/bin/python bench/bench_tool_schedule.py --out results/bench_tool_schedule.json
 # exact at length: per-turn |vLLM - trainer| and sequence-level weights of key-chain episodes of 16 to 100 turns
 .venv/bin/python bench/bench_long_fidelity.py --out results/bench_long_fidelity.json
